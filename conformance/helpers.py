@@ -1,0 +1,111 @@
+"""Shared test helpers: random contract inputs, an independent dense attention, error measures."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from reference.config import NSAConfig
+from reference.contract import KV, BranchKV, PhiWeights
+
+
+@dataclass
+class Inputs:
+    q: Tensor
+    kv: BranchKV
+    gates: Tensor
+    phi: PhiWeights | None
+
+    def tensors(self) -> list[Tensor]:
+        out = [self.q, self.gates]
+        for br in (self.kv.cmp, self.kv.slc, self.kv.win):
+            for t in br:
+                if all(t is not o for o in out):
+                    out.append(t)
+        if self.phi is not None:
+            out += list(self.phi.k.tensors()) + list(self.phi.v.tensors())
+        return out
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+           requires_grad: bool = False) -> "Inputs":
+        """A detached copy (optionally re-cast/moved; leaves require grad if asked)."""
+        memo: dict[int, Tensor] = {}
+
+        def conv(t: Tensor) -> Tensor:
+            if id(t) not in memo:
+                c = t.detach().to(dtype=dtype or t.dtype, device=device or t.device).clone()
+                memo[id(t)] = c.requires_grad_(requires_grad)
+            return memo[id(t)]
+
+        kv = BranchKV(*(KV(conv(b.k), conv(b.v)) for b in (self.kv.cmp, self.kv.slc, self.kv.win)))
+        phi = None
+        if self.phi is not None:
+            phi = PhiWeights(k=type(self.phi.k)(*(conv(t) for t in self.phi.k.tensors())),
+                             v=type(self.phi.v)(*(conv(t) for t in self.phi.v.tensors())))
+        return Inputs(conv(self.q), kv, conv(self.gates), phi)
+
+
+def make_inputs(cfg: NSAConfig, T: int, *, B: int = 1, seed: int = 0, dtype: torch.dtype = torch.float64,
+                device: torch.device | str = "cpu", shared_kv: bool = False, scale: float = 1.0,
+                phi_hidden: int = 8) -> Inputs:
+    """Random q, independent (or shared) per-branch k/v, gates in [0, 1], and phi weights if cfg.phi='mlp'."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> Tensor:
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+    q = rnd(B, T, cfg.n_heads, cfg.head_dim_qk)
+    if shared_kv:
+        kv = BranchKV.shared(rnd(B, T, cfg.n_kv_heads, cfg.head_dim_qk), rnd(B, T, cfg.n_kv_heads, cfg.head_dim_v))
+    else:
+        kv = BranchKV(*(KV(rnd(B, T, cfg.n_kv_heads, cfg.head_dim_qk), rnd(B, T, cfg.n_kv_heads, cfg.head_dim_v))
+                        for _ in range(3)))
+    gates = torch.rand((B, T, cfg.n_heads, 3), generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    phi = PhiWeights.init(cfg, phi_hidden, generator=g, dtype=dtype, device=device) if cfg.phi == "mlp" else None
+    return Inputs(q, kv, gates, phi)
+
+
+def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """Plain causal GQA attention with an explicit masked score matrix and softmax (no SDPA, no is_causal).
+
+    window: if given, query p sees keys p-window+1..p only."""
+    B, T, Hq, dk = q.shape
+    G = Hq // k.shape[2]
+    kk = k.repeat_interleave(G, dim=2)
+    vv = v.repeat_interleave(G, dim=2)
+    scores = torch.einsum("bphd,bshd->bhps", q, kk) / math.sqrt(dk)
+    pos = torch.arange(T)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhps,bshd->bphd", probs, vv)
+
+
+def rel_error(x: Tensor, ref: Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (0 when both are 0); NaN anywhere gives inf."""
+    x64, r64 = x.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    if torch.isnan(x64).any() or torch.isnan(r64).any():
+        return math.inf
+    denom = r64.norm().item()
+    diff = (x64 - r64).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def max_abs_error(x: Tensor, ref: Tensor) -> float:
+    x64, r64 = x.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    if torch.isnan(x64).any():
+        return math.inf
+    return (x64 - r64).abs().max().item() if x64.numel() else 0.0
+
+
+def error_ratio(candidate: Tensor, low_precision_ref: Tensor, oracle: Tensor, atol: float = 1e-6) -> float:
+    """FlashAttention's rule as a ratio: err(candidate vs oracle) / (2 * err(low-precision ref vs oracle) + atol).
+    A ratio <= 1 passes; NaN gives inf."""
+    err = max_abs_error(candidate, oracle)
+    budget = 2 * max_abs_error(low_precision_ref, oracle) + atol
+    return err / budget

@@ -1,0 +1,1 @@
+"""optimized package (in progress)."""

@@ -1,0 +1,1 @@
+"""sentinels package (in progress)."""
