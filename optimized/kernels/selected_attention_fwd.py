@@ -1,0 +1,145 @@
+"""Forward Triton kernel of the selected-attention branch (Eq. 12), group-centric (paper Section 3.4, Fig. 3).
+
+Grid (query row t, KV group g, batch b). Each program loads the queries of all heads of group g at row t as one
+[BLOCK_H, BLOCK_DK] tile ("group-centric data loading"), then walks the selected blocks I_t of (t, g) in key
+tiles of BLOCK_N rows ("shared KV fetching": one K/V load serves every head of the group), with an online
+softmax in fp32 (base 2). It writes o [B, TQ, Hq, dv] and the natural-log log-sum-exp [B, TQ, Hq] (fp32) that
+the backward kernels use to rebuild the probabilities. The query row t sits at absolute position
+p = q_offset + t; keys after p are masked (the current block is partial). An empty key set gives o = 0 and
+lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .tiling import Tiling, forward_tiling, interpreting, padded
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _selected_attention_fwd_kernel(
+    Q, K, V, IDX, O, LSE,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ib, stride_it, stride_ih, stride_in,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    n_sel, q_offset, scale_log2,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # 64-bit program ids: every offset below is computed in int64 (T >= 64k).
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    p = q_offset + t
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    head_mask = offs_h < GROUP
+    dk_mask = offs_dk < DK
+    dv_mask = offs_dv < DV
+    heads = g * GROUP + offs_h
+
+    q = tl.load(Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
+                mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    k_base = K + b * stride_kb + g * stride_kh
+    v_base = V + b * stride_vb + g * stride_vh
+    idx_base = IDX + b * stride_ib + t * stride_it + g * stride_ih
+
+    # Running max starts finite so a fully masked tile (padding slot, tile past p) gives alpha = 1, p = 0.
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+
+    # One flat loop over (selected slot, key tile of the block) so loads pipeline across blocks.
+    for it in range(0, n_sel * TILES_PER_BLOCK):
+        slot = it // TILES_PER_BLOCK
+        tile = it % TILES_PER_BLOCK
+        block = tl.load(idx_base + slot * stride_in).to(tl.int64)
+        in_block = tile * BLOCK_N + offs_n
+        pos = block * SEL_BLOCK + in_block
+        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12: tokens of block, clipped to <= p
+
+        kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
+                     mask=key_mask[None, :] & dk_mask[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vt + offs_dv[None, :],
+                    mask=key_mask[:, None] & dv_mask[None, :], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
+        else:
+            s = tl.dot(q, kT)
+        s = tl.where(key_mask[None, :], s * scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        probs = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc += tl.dot(probs, v.to(tl.float32), input_precision=INPUT_PRECISION)
+        else:
+            acc += tl.dot(probs.to(v.dtype), v)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    tl.store(O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+             out.to(O.dtype.element_ty), mask=head_mask[:, None] & dv_mask[None, :])
+    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + b * stride_lb + t * stride_lt + heads, lse, mask=head_mask)
+
+
+def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_FP32, INPUT_PRECISION): fp32 inputs use exact fp32 dots ('ieee', no TF32); the interpreter's
+    tl.dot is wrong on bf16, so there every operand is upcast to fp32."""
+    dot_fp32 = dtype == torch.float32 or interpreting()
+    return dot_fp32, "ieee"
+
+
+def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
+                               tiling: Tiling | None = None) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel on validated inputs (last dim contiguous). Returns (o, lse [B, TQ, Hq] fp32).
+
+    tiling: launch settings (default: tiling.forward_tiling's heuristic); the GPU benchmark sweeps it.
+    """
+    B, TQ, Hq, dk = q.shape
+    TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    group = Hq // Hkv
+    n_sel = indices.shape[-1]
+    o = torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, TQ, Hq), device=q.device, dtype=torch.float32)
+    if B * TQ * Hq == 0:
+        return o, lse
+    block_h, block_dk, block_dv = padded(group), padded(dk), padded(dv)
+    tiling = tiling or forward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype)
+    dot_fp32, precision = dot_settings(q.dtype)
+    _selected_attention_fwd_kernel[(TQ, Hkv, B)](
+        q, k, v, indices, o, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        n_sel, TK - TQ, scale * LOG2E,
+        GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block,
+        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
+        TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )
+    return o, lse

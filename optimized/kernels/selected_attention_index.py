@@ -1,0 +1,97 @@
+"""Inverted selection index for the deterministic dk/dv backward: for each (batch, KV group, selection block),
+the query rows that selected it, as CSR built with torch ops (stable sort + bincount + cumsum), split into
+work items of at most `queries_per_item` queries.
+
+A block selected by many queries (block 0 is forced for every query, Eq. 11) would make one program loop over
+all TQ queries; such blocks are split over several items whose fp32 partial dk/dv go to workspace slots and
+are summed afterwards in slot order. Every sum therefore runs in a fixed order: dk/dv are bitwise
+reproducible without atomics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+MIN_QUERIES_PER_ITEM = 64
+
+
+@dataclass
+class InvertedIndex:
+    """CSR of (b, g, j) -> query rows, cut into work items.
+
+    query_rows [E] int32: query rows t (ascending within a key), keys ordered by key = (b * Hkv + g) * NB + j.
+    item_key / item_begin / item_end [I]: item i covers query_rows[item_begin[i]:item_end[i]] of key item_key[i].
+    item_slot [I]: -1 if item i is its key's only item (writes dk/dv directly), else its workspace slot.
+    split_key / slot_begin / slot_end [S]: keys cut into several items and the slot range holding their partials.
+    """
+
+    n_blocks: int
+    query_rows: Tensor
+    item_key: Tensor
+    item_begin: Tensor
+    item_end: Tensor
+    item_slot: Tensor
+    split_key: Tensor
+    slot_begin: Tensor
+    slot_end: Tensor
+
+    @property
+    def n_items(self) -> int:
+        return self.item_key.numel()
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.slot_end[-1]) if self.split_key.numel() else 0
+
+
+def default_queries_per_item(n_entries: int, n_nonempty_keys: int) -> int:
+    """Twice the mean list length (a power of two, >= 64): typical blocks stay whole, hot blocks are split."""
+    if n_nonempty_keys == 0:
+        return MIN_QUERIES_PER_ITEM
+    return max(MIN_QUERIES_PER_ITEM, triton.next_power_of_2(-(-2 * n_entries // n_nonempty_keys)))
+
+
+def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
+                         queries_per_item: int | None = None) -> InvertedIndex:
+    """Invert indices [B, TQ, Hkv, n] (queries at the last TQ of n_keys_total positions).
+
+    Only entries whose block has a visible key are kept: j >= 0 and j * sel_block <= p (Eq. 12 clip), so every
+    listed query has at least one key in the block. A block listed twice by one query appears twice (the
+    forward then also counts its tokens twice).
+    """
+    B, TQ, Hkv, _ = indices.shape
+    device = indices.device
+    n_blocks = -(-n_keys_total // sel_block)
+    blocks = indices.long()
+    positions = torch.arange(n_keys_total - TQ, n_keys_total, device=device).view(1, TQ, 1, 1)
+    kept = (blocks >= 0) & (blocks * sel_block <= positions)
+    b_ix, t_ix, g_ix, _ = kept.nonzero(as_tuple=True)  # row-major: t ascending for a fixed (b, g)
+    key = (b_ix * Hkv + g_ix) * n_blocks + blocks[kept]
+    order = torch.sort(key, stable=True).indices
+    query_rows = t_ix[order].to(torch.int32)
+
+    n_keys = B * Hkv * n_blocks
+    counts = torch.bincount(key, minlength=n_keys)
+    key_end = torch.cumsum(counts, 0)
+    key_begin = key_end - counts
+    nonempty = int((counts > 0).sum())
+    per_item = queries_per_item or default_queries_per_item(key.numel(), nonempty)
+    items_per_key = (counts + per_item - 1) // per_item
+
+    item_key = torch.repeat_interleave(torch.arange(n_keys, device=device), items_per_key)
+    first_item = torch.cumsum(items_per_key, 0) - items_per_key
+    rank = torch.arange(item_key.numel(), device=device) - first_item[item_key]
+    item_begin = key_begin[item_key] + rank * per_item
+    item_end = torch.minimum(item_begin + per_item, key_end[item_key])
+    is_split = items_per_key[item_key] > 1
+    item_slot = torch.where(is_split, torch.cumsum(is_split.long(), 0) - 1, -1)
+
+    split_key = (items_per_key > 1).nonzero(as_tuple=True)[0]
+    slot_end = torch.cumsum(items_per_key[split_key], 0)
+    slot_begin = slot_end - items_per_key[split_key]
+    return InvertedIndex(n_blocks, query_rows, item_key, item_begin, item_end, item_slot,
+                         split_key, slot_begin, slot_end)
