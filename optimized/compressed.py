@@ -1,0 +1,56 @@
+"""Compressed-branch attention (Eq. 4 over the Eq. 7 compressed keys) with the block-visibility mask."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from reference.config import NSAConfig
+
+from . import masks
+from .checks import check_branch_inputs
+from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
+
+
+class CompressedKeyPlan:
+    """Query chunks; each reads the compressed blocks visible to at least one of its queries, masked per query
+    by masks.compressed_block_visible."""
+
+    def __init__(self, positions: Tensor, n_blocks: int, cfg: NSAConfig, chunk_size: int):
+        self.positions = positions
+        self.blocks = torch.arange(n_blocks, device=positions.device)
+        self.cfg = cfg
+        self.chunk_size = chunk_size
+
+    def chunks(self) -> list[tuple[int, int]]:
+        return query_chunks(self.positions.shape[0], self.chunk_size)
+
+    def keys(self, q0: int, q1: int) -> SharedKeys:
+        visible = masks.compressed_block_visible(self.blocks[None, :], self.positions[q0:q1, None], self.cfg)
+        used = torch.nonzero(visible.any(dim=0))
+        if used.numel() == 0:
+            return SharedKeys(0, 0, visible[:, :0])
+        start, stop = int(used[0]), int(used[-1]) + 1
+        return SharedKeys(start, stop, visible[:, start:stop])
+
+
+def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, positions: Tensor, *,
+                              chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Compressed branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ]:
+    (o_cmp [B, TQ, Hq, dv], reads [B, TQ, Hkv] = visible compressed blocks counted from the mask applied)."""
+    B, TQ, Hq, _ = q.shape
+    n_blocks = k_cmp.shape[1]
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(TQ, B * Hq * max(n_blocks, 1))
+    plan = CompressedKeyPlan(positions, n_blocks, cfg, chunk_size)
+    return masked_attention(plan, q, k_cmp, v_cmp)
+
+
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,
+                         chunk_size: int | None = None) -> Tensor:
+    """Compressed branch for prefill queries at positions 0..T-1: o_cmp [B, T, Hq, d_v].
+    A query with no visible compressed block gets exactly 0."""
+    check_branch_inputs("compressed_attention", q, k_cmp, v_cmp, cfg)
+    positions = torch.arange(q.shape[1], device=q.device)
+    return compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size)[0]
+

@@ -1,0 +1,65 @@
+"""Eq. 7 compression, vectorized: all compressed blocks at once as strided windows of the key/value sequence."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from reference.config import NSAConfig
+from reference.contract import PhiMLPWeights, PhiWeights
+
+from . import masks
+from .masked_attention import compute_dtype
+
+
+def block_windows(x: Tensor, cfg: NSAConfig) -> Tensor:
+    """The N complete compressed blocks of x [B, T, H, D] as a strided view [B, N, H, l, D]:
+    block i holds rows i*d .. i*d + l - 1 (Eq. 7)."""
+    B, T, H, D = x.shape
+    n_blocks = masks.compressed_block_count(T, cfg)
+    if n_blocks == 0:
+        return x.new_zeros((B, 0, H, cfg.cmp_block, D))
+    used = x[:, : (n_blocks - 1) * cfg.cmp_stride + cfg.cmp_block]
+    return used.unfold(1, cfg.cmp_block, cfg.cmp_stride).transpose(-1, -2)
+
+
+def phi_avg(blocks: Tensor) -> Tensor:
+    """phi = mean pooling over the l rows of each block: [..., l, D] -> [..., D]."""
+    return blocks.to(compute_dtype(blocks.dtype)).mean(dim=-2).to(blocks.dtype)
+
+
+def phi_mlp(blocks: Tensor, w: PhiMLPWeights) -> Tensor:
+    """phi = w2^T silu(w1^T flatten(block + pos) + b1) + b2 for every block at once (Eq. 7): [..., l, D] -> [..., D].
+    The flatten is row-major over (l, D), as in contract.PhiMLPWeights."""
+    cd = compute_dtype(blocks.dtype)
+    x = (blocks.to(cd) + w.pos.to(cd)).flatten(-2)
+    hidden = F.silu(x @ w.w1.to(cd) + w.b1.to(cd))
+    return (hidden @ w.w2.to(cd) + w.b2.to(cd)).to(blocks.dtype)
+
+
+def _check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None:
+    if cfg.phi != "mlp":
+        return
+    if phi is None:
+        raise ValueError("NSAConfig.phi='mlp' needs phi weights (a PhiWeights); got phi=None")
+    for name, w, dim in (("phi.k", phi.k, dk), ("phi.v", phi.v, dv)):
+        if tuple(w.pos.shape) != (cfg.cmp_block, dim):
+            raise ValueError(f"{name}.pos must be [l, D] = {(cfg.cmp_block, dim)}, got {tuple(w.pos.shape)}")
+        if w.w1.shape[0] != cfg.cmp_block * dim:
+            raise ValueError(f"{name}.w1 must have l*D = {cfg.cmp_block * dim} rows, got {tuple(w.w1.shape)}")
+        if w.w2.shape[1] != dim:
+            raise ValueError(f"{name}.w2 must have D = {dim} columns, got {tuple(w.w2.shape)}")
+
+
+def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> tuple[Tensor, Tensor]:
+    """Eq. 7 for every complete block: k [B, T, Hkv, d_k], v [B, T, Hkv, d_v] ->
+    (k_cmp [B, N, Hkv, d_k], v_cmp [B, N, Hkv, d_v]) with N = number of complete blocks in T."""
+    if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"compress needs k [B,T,Hkv,dk] and v [B,T,Hkv,dv] with equal [B,T,Hkv]; "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_phi(cfg, phi, k.shape[-1], v.shape[-1])
+    k_blocks, v_blocks = block_windows(k, cfg), block_windows(v, cfg)
+    if cfg.phi == "avg":
+        return phi_avg(k_blocks), phi_avg(v_blocks)
+    return phi_mlp(k_blocks, phi.k), phi_mlp(v_blocks, phi.v)

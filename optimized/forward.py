@@ -1,0 +1,75 @@
+"""nsa_forward (prefill) and decode_step: the three vectorized branches combined by the gates (Eq. 5), with the
+Eq. 6 reads counted from the masks and index sets each branch applied."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from reference.config import NSAConfig
+from reference.contract import BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
+
+from .compressed import compressed_attention_rows
+from .compression import compress
+from .scoring import selection_indices
+from .selected import check_indices, selected_attention_rows
+from .window import window_attention_rows
+
+
+def gated_sum(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor) -> Tensor:
+    """Eq. 5: o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win, gates [B, T, Hq, 3] in (cmp, slc, win) order."""
+    return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
+
+
+def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None,
+                     positions: Tensor, *, backend: str = "auto", chunk_size: int | None = None,
+                     indices: Tensor | None = None) -> NSAOutput:
+    """NSA for queries q [B, TQ, Hq, dk] (gates [B, TQ, Hq, 3]) at absolute, increasing positions [TQ] over the
+    TK keys of every branch in kv. indices: given selection indices [B, TQ, Hkv, n] replace Eq. 8-11
+    (teacher forcing); by default they are computed by scoring.selection_indices."""
+    n_keys = kv.win.k.shape[1]
+    k_cmp, v_cmp = compress(kv.cmp.k, kv.cmp.v, cfg, phi)
+    o_cmp, reads_cmp = compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size)
+    if indices is None:
+        indices = selection_indices(q, k_cmp, cfg, positions=positions, n_keys=n_keys, chunk_size=chunk_size)
+    else:
+        check_indices(indices, q, cfg)
+    o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions,
+                                               backend=backend, chunk_size=chunk_size)
+    o_win, reads_win = window_attention_rows(q, kv.win.k, kv.win.v, cfg, positions, chunk_size=chunk_size)
+    return NSAOutput(
+        o=gated_sum(gates, o_cmp, o_slc, o_win),
+        indices=indices,
+        o_cmp=o_cmp,
+        o_slc=o_slc,
+        o_win=o_win,
+        reads=Reads(cmp=reads_cmp, slc=reads_slc, win=reads_win),
+    )
+
+
+def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+                backend: str = "auto", chunk_size: int | None = None, indices: Tensor | None = None) -> NSAOutput:
+    """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch.
+
+    backend: selected-branch backend ("auto" | "torch" | "triton", see optimized.selected); chunk_size: query
+    positions per chunk in every branch (default: sized from a memory budget); indices: teacher-forced
+    selection (default: computed)."""
+    check_inputs(q, kv, gates, cfg)
+    if q.shape[1] == 0:
+        raise ValueError("q must hold at least one position (T >= 1)")
+    positions = torch.arange(q.shape[1], device=q.device)
+    return nsa_forward_rows(q, kv, gates, cfg, phi, positions, backend=backend, chunk_size=chunk_size,
+                            indices=indices)
+
+
+def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+                backend: str = "auto", chunk_size: int | None = None) -> NSAOutput:
+    """Decode without a cache: q [B, TQ, Hq, d_k] holds the newest TQ queries, at positions TK-TQ .. TK-1 of the
+    TK keys/values in kv (which include the new tokens' own keys). Recompresses the keys each call."""
+    TQ = q.shape[1]
+    check_inputs(q, kv, gates, cfg, n_queries=TQ)
+    TK = kv.win.k.shape[1]
+    if not 1 <= TQ <= TK:
+        raise ValueError(f"decode_step needs 1 <= TQ <= TK, got TQ={TQ}, TK={TK}")
+    positions = torch.arange(TK - TQ, TK, device=q.device)
+    return nsa_forward_rows(q, kv, gates, cfg, phi, positions, backend=backend, chunk_size=chunk_size)

@@ -1,0 +1,201 @@
+"""Eq. 2 softmax attention over a per-chunk key set with a validity mask, chunked over queries, as one autograd
+Function shared by the compressed, selected (torch backend) and window branches.
+
+Memory: only one query chunk's logits exist at a time, in forward and in backward (the backward recomputes them
+from the saved log-sum-exp, like FlashAttention), so no branch ever holds a T x T (or T x N) tensor and autograd
+keeps only q, k, v, o and the log-sum-exp. A query with no valid key gets exactly 0 and zero gradients (no NaN).
+Arithmetic runs in float32 for half/bfloat16/float32 inputs and in float64 for float64 inputs.
+
+A key plan says which keys each query chunk reads:
+- `SharedKeys`: a contiguous key range [start, stop) read by the whole chunk, valid [C, K] per query and key;
+- `GatheredKeys`: token indices per (batch, query, KV head), tokens/valid [B, C, Hkv, K].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+# Elements of one chunk's largest temporary (logits, or gathered keys+values); bounds peak memory per chunk.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other floating dtype is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def query_chunks(n_queries: int, chunk_size: int) -> list[tuple[int, int]]:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of query positions, got {chunk_size}")
+    return [(s, min(s + chunk_size, n_queries)) for s in range(0, n_queries, chunk_size)]
+
+
+def auto_chunk_size(n_queries: int, elements_per_query: int) -> int:
+    """The most query positions whose per-query temporaries stay within CHUNK_ELEMENTS."""
+    return max(1, min(max(n_queries, 1), CHUNK_ELEMENTS // max(1, elements_per_query)))
+
+
+@dataclass
+class SharedKeys:
+    """Keys start..stop-1 for every query of the chunk; valid [C, stop - start]."""
+
+    start: int
+    stop: int
+    valid: Tensor
+
+
+@dataclass
+class GatheredKeys:
+    """Keys tokens[b, c, h, :] for query c of batch b in KV head h; tokens and valid [B, C, Hkv, K].
+    Invalid entries may hold any in-range token index (they are masked)."""
+
+    tokens: Tensor
+    valid: Tensor
+
+
+class KeyPlan(Protocol):
+    def chunks(self) -> list[tuple[int, int]]: ...
+
+    def keys(self, q0: int, q1: int) -> SharedKeys | GatheredKeys: ...
+
+
+def masked_attention(plan: KeyPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. 2 for every query of q [B, TQ, Hq, dk] over the keys the plan gives it, k [B, TK, Hkv, dk],
+    v [B, TK, Hkv, dv]. Returns (o [B, TQ, Hq, dv] in q's dtype, reads int64 [B, TQ, Hkv]) where reads counts
+    the valid keys each (query, KV head) was given."""
+    return _MaskedAttention.apply(plan, q, k, v)
+
+
+# Contractions for the two plan kinds. q-like tensors are [B, C, Hkv, G, D]; logits [B, C, Hkv, G, K].
+def _logits(qc: Tensor, keys: Tensor, shared: bool) -> Tensor:
+    return torch.einsum("bchgd,bkhd->bchgk" if shared else "bchgd,bchkd->bchgk", qc, keys)
+
+
+def _weighted_values(p: Tensor, values: Tensor, shared: bool) -> Tensor:
+    return torch.einsum("bchgk,bkhd->bchgd" if shared else "bchgk,bchkd->bchgd", p, values)
+
+
+def _key_grad(ds: Tensor, qc: Tensor, shared: bool) -> Tensor:
+    return torch.einsum("bchgk,bchgd->bkhd" if shared else "bchgk,bchgd->bchkd", ds, qc)
+
+
+class _Chunk:
+    """The keys/values of one query chunk, upcast to the compute dtype, and the mask in logits layout."""
+
+    def __init__(self, spec: SharedKeys | GatheredKeys, k: Tensor, v: Tensor, cd: torch.dtype):
+        self.spec = spec
+        self.shared = isinstance(spec, SharedKeys)
+        if self.shared:
+            self.keys = k[:, spec.start:spec.stop].to(cd)
+            self.values = v[:, spec.start:spec.stop].to(cd)
+            self.mask = spec.valid[None, :, None, None, :]
+            self.n_keys = spec.stop - spec.start
+        else:
+            B, TK, H = k.shape[:3]
+            b = torch.arange(B, device=k.device)[:, None, None, None]
+            h = torch.arange(H, device=k.device)[None, None, :, None]
+            self.flat = ((b * TK + spec.tokens) * H + h).reshape(-1)
+            self.keys = k.reshape(B * TK * H, -1).index_select(0, self.flat).view(*spec.tokens.shape, -1).to(cd)
+            self.values = v.reshape(B * TK * H, -1).index_select(0, self.flat).view(*spec.tokens.shape, -1).to(cd)
+            self.mask = spec.valid[:, :, :, None, :]
+            self.n_keys = spec.tokens.shape[-1]
+
+    def reads(self, B: int, C: int, H: int) -> Tensor:
+        counts = self.spec.valid.sum(dim=-1)
+        if self.shared:
+            return counts[None, :, None].expand(B, C, H)
+        return counts
+
+    def scatter(self, dk: Tensor, dv: Tensor, dkeys: Tensor | None, dvalues: Tensor | None) -> None:
+        if self.shared:
+            if dkeys is not None:
+                dk[:, self.spec.start:self.spec.stop] += dkeys
+            if dvalues is not None:
+                dv[:, self.spec.start:self.spec.stop] += dvalues
+            return
+        if dkeys is not None:
+            dk.view(-1, dk.shape[-1]).index_add_(0, self.flat, dkeys.reshape(-1, dk.shape[-1]))
+        if dvalues is not None:
+            dv.view(-1, dv.shape[-1]).index_add_(0, self.flat, dvalues.reshape(-1, dv.shape[-1]))
+
+
+def _probabilities(logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Masked softmax pieces: e = exp(logits - row max) (0 where masked), its row sum, and the log-sum-exp
+    (-inf for a row with no valid key)."""
+    masked = logits.masked_fill(~mask, float("-inf"))
+    row_max = masked.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(masked - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    return e, total, row_max + torch.log(total)
+
+
+class _MaskedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: KeyPlan, q: Tensor, k: Tensor, v: Tensor):
+        B, TQ, Hq, dk = q.shape
+        H, dv = k.shape[2], v.shape[3]
+        G = Hq // H
+        cd = compute_dtype(q.dtype)
+        inv_sqrt = 1.0 / math.sqrt(dk)
+        o = q.new_zeros((B, TQ, Hq, dv))
+        lse = torch.full((B, TQ, H, G, 1), float("-inf"), dtype=cd, device=q.device)
+        reads = torch.zeros((B, TQ, H), dtype=torch.int64, device=q.device)
+        for q0, q1 in plan.chunks():
+            C = q1 - q0
+            chunk = _Chunk(plan.keys(q0, q1), k, v, cd)
+            reads[:, q0:q1] = chunk.reads(B, C, H)
+            if chunk.n_keys == 0:
+                continue
+            qc = q[:, q0:q1].reshape(B, C, H, G, dk).to(cd)
+            e, total, lse_c = _probabilities(_logits(qc, chunk.keys, chunk.shared) * inv_sqrt, chunk.mask)
+            oc = _weighted_values(e, chunk.values, chunk.shared) / torch.where(total > 0, total, torch.ones_like(total))
+            o[:, q0:q1] = oc.reshape(B, C, Hq, dv).to(o.dtype)
+            lse[:, q0:q1] = lse_c
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(reads)
+        return o, reads
+
+    @staticmethod
+    def backward(ctx, do: Tensor, _dreads: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        plan = ctx.plan
+        B, TQ, Hq, dk = q.shape
+        H, dv = k.shape[2], v.shape[3]
+        G = Hq // H
+        cd = compute_dtype(q.dtype)
+        inv_sqrt = 1.0 / math.sqrt(dk)
+        need_q, need_k, need_v = ctx.needs_input_grad[1:4]
+        dq = torch.zeros(q.shape, dtype=cd, device=q.device) if need_q else None
+        dkeys_all = torch.zeros(k.shape, dtype=cd, device=k.device) if need_k else None
+        dvalues_all = torch.zeros(v.shape, dtype=cd, device=v.device) if need_v else None
+        for q0, q1 in plan.chunks():
+            C = q1 - q0
+            chunk = _Chunk(plan.keys(q0, q1), k, v, cd)
+            if chunk.n_keys == 0:
+                continue
+            qc = q[:, q0:q1].reshape(B, C, H, G, dk).to(cd)
+            doc = do[:, q0:q1].reshape(B, C, H, G, dv).to(cd)
+            oc = o[:, q0:q1].reshape(B, C, H, G, dv).to(cd)
+            lse_c = lse[:, q0:q1]
+            lse_c = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
+            logits = (_logits(qc, chunk.keys, chunk.shared) * inv_sqrt).masked_fill(~chunk.mask, float("-inf"))
+            p = torch.exp(logits - lse_c)  # Eq. 2 probabilities; 0 where masked
+            dp = _logits(doc, chunk.values, chunk.shared)
+            delta = (doc * oc).sum(dim=-1, keepdim=True)
+            ds = p * (dp - delta) * inv_sqrt
+            if need_q:
+                dq[:, q0:q1] = _weighted_values(ds, chunk.keys, chunk.shared).reshape(B, C, Hq, dk)
+            chunk.scatter(dkeys_all, dvalues_all,
+                          _key_grad(ds, qc, chunk.shared) if need_k else None,
+                          _key_grad(p, doc, chunk.shared) if need_v else None)
+        return (None,
+                dq.to(q.dtype) if need_q else None,
+                dkeys_all.to(k.dtype) if need_k else None,
+                dvalues_all.to(v.dtype) if need_v else None)

@@ -1,0 +1,27 @@
+"""optimized.NSAAttention: reference.NSAAttention's parameters (same names, so a state_dict loads into either)
+with the vectorized functional NSA."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from reference.config import NSAConfig
+from reference.contract import BranchKV, NSAOutput, PhiWeights
+from reference.module import NSAAttention as ReferenceNSAAttention
+
+from .forward import nsa_forward
+from .selected import BACKENDS
+
+
+class NSAAttention(ReferenceNSAAttention):
+    """One NSA attention layer; backend picks the selected-branch backend ("auto" | "torch" | "triton")."""
+
+    def __init__(self, hidden_size: int, cfg: NSAConfig, *, gate_hidden: int | None = None,
+                 phi_hidden: int | None = None, rope_base: float = 10000.0, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        super().__init__(hidden_size, cfg, gate_hidden=gate_hidden, phi_hidden=phi_hidden, rope_base=rope_base)
+        self.backend = backend
+
+    def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None) -> NSAOutput:
+        return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend)

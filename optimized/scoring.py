@@ -1,0 +1,144 @@
+"""Selection scoring (Eq. 8-10) and top-n block selection (Eq. 11), vectorized and chunked over queries.
+
+Selection is discrete: nothing here carries gradients (as in the reference). Scores are computed in float64 for
+float64 inputs and in float32 otherwise.
+
+Chunk invariance: a query row's logits always span all N compressed blocks (invisible ones are masked), its
+softmax sum, Eq. 9 band and Eq. 10 head sum are added in a fixed order, and Eq. 11 is a per-row stable sort, so the
+indices of a row do not depend on which other rows (chunk, batch) are computed with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from reference.config import NSAConfig
+
+from . import masks
+from .masked_attention import CHUNK_ELEMENTS, compute_dtype, query_chunks
+
+
+def sel_block_count(n_keys: int, cfg: NSAConfig) -> int:
+    """Selection blocks that hold at least one of keys 0..n_keys-1: ceil(n_keys / l')."""
+    return -(-n_keys // cfg.sel_block)
+
+
+def pool_eq9(p_cmp: Tensor, n_sel_blocks: int, cfg: NSAConfig) -> Tensor:
+    """Eq. 9: p_slc[..., j] = sum_k w[k] * p_cmp[..., (l'/d) * j + first_offset + k] for j < n_sel_blocks, with the
+    fixed band of masks.eq9_pool_weights; indices outside p_cmp's N blocks contribute 0."""
+    band = masks.eq9_pool_weights(cfg)
+    stride = cfg.pieces_per_sel_block
+    n_cmp = p_cmp.shape[-1]
+    lowest = band.first_offset
+    highest = stride * (n_sel_blocks - 1) + band.first_offset + len(band.weights) - 1
+    left, right = max(0, -lowest), max(0, highest - (n_cmp - 1))
+    padded = F.pad(p_cmp, (left, right))
+    span = stride * (n_sel_blocks - 1) + 1
+    total = None
+    for k, weight in enumerate(band.weights):
+        start = lowest + left + k
+        term = weight * padded[..., start:start + span:stride]
+        total = term if total is None else total + term
+    return total
+
+
+def _chunk_scores(q_chunk: Tensor, k_cmp: Tensor, positions: Tensor, n_sel_blocks: int,
+                  cfg: NSAConfig) -> Tensor:
+    """Eq. 8-10 for queries q_chunk [B, C, Hq, dk] at positions [C]; k_cmp [B, N, Hkv, dk] in the compute dtype.
+    Returns [B, C, Hkv, n_sel_blocks], -inf for blocks after J = p // l'."""
+    B, C, Hq, dk = q_chunk.shape
+    H = cfg.n_kv_heads
+    qc = q_chunk.reshape(B, C, H, Hq // H, dk).to(k_cmp.dtype)
+    blocks = torch.arange(k_cmp.shape[1], device=q_chunk.device)
+    logits = torch.einsum("bchgd,bnhd->bchgn", qc, k_cmp) / math.sqrt(dk)
+    visible = masks.compressed_block_visible(blocks[None, :], positions[:, None], cfg)[None, :, None, None, :]
+    p_cmp = masks.cmp_importance(logits, visible, cfg)  # Eq. 8
+    p_slc = pool_eq9(p_cmp, n_sel_blocks, cfg)  # Eq. 9, per query head
+    scores = masks.group_reduce(p_slc, cfg)  # Eq. 10
+    sel = torch.arange(n_sel_blocks, device=q_chunk.device)
+    after_current = sel[None, :] > masks.current_sel_block(positions, cfg)[:, None]
+    return scores.masked_fill(after_current[None, :, None, :], float("-inf"))
+
+
+def _score_chunk_size(q: Tensor, n_cmp: int, n_sel_blocks: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of query positions, got {chunk_size}")
+        return chunk_size
+    B, _, Hq, _ = q.shape
+    return max(1, CHUNK_ELEMENTS // max(1, B * Hq * (n_cmp + n_sel_blocks)))
+
+
+@torch.no_grad()
+def selection_scores_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int, *,
+                          chunk_size: int | None = None) -> Tensor:
+    """Eq. 8-10 for queries at absolute positions: [B, TQ, Hkv, n_sel_blocks] (materialized: the contract's
+    selection_scores output; nsa_forward uses selection_indices instead)."""
+    q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
+    B, TQ = q.shape[:2]
+    out = torch.empty((B, TQ, cfg.n_kv_heads, n_sel_blocks), dtype=k_cmp.dtype, device=q.device)
+    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, k_cmp.shape[1], n_sel_blocks, chunk_size)):
+        out[:, q0:q1] = _chunk_scores(q[:, q0:q1], k_cmp, positions[q0:q1], n_sel_blocks, cfg)
+    return out
+
+
+def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None) -> Tensor:
+    """Eq. 8-10 for prefill queries 0..T-1: [B, T, Hkv, ceil(T / l')] (float64 for float64 inputs, else
+    float32), -inf for blocks after J = p // l'."""
+    _check_scoring_inputs(q, k_cmp, cfg)
+    T = q.shape[1]
+    positions = torch.arange(T, device=q.device)
+    return selection_scores_rows(q, k_cmp, cfg, positions, sel_block_count(T, cfg), chunk_size=chunk_size)
+
+
+@torch.no_grad()
+def select_blocks_rows(scores: Tensor, cfg: NSAConfig, positions: Tensor) -> Tensor:
+    """Eq. 11 for queries at absolute positions: int64 [B, TQ, Hkv, n], ascending, padded with -1."""
+    J = masks.current_sel_block(positions, cfg)[None, :, None].expand(scores.shape[:3])
+    return masks.top_n_blocks(scores.detach(), J, cfg)
+
+
+def select_blocks(scores: Tensor, cfg: NSAConfig) -> Tensor:
+    """Eq. 11 for prefill queries 0..T-1: indices [B, T, Hkv, n] int64, ascending, padded with -1."""
+    if not isinstance(scores, Tensor) or scores.ndim != 4 or not scores.is_floating_point():
+        raise ValueError("select_blocks: scores must be a floating tensor [B, T, Hkv, n_blocks]")
+    T = scores.shape[1]
+    if scores.shape[3] < sel_block_count(T, cfg):
+        raise ValueError(f"select_blocks: scores has {scores.shape[3]} blocks but T={T} needs "
+                         f"ceil(T/l') = {sel_block_count(T, cfg)}")
+    return select_blocks_rows(scores, cfg, torch.arange(T, device=scores.device))
+
+
+@torch.no_grad()
+def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Tensor | None = None,
+                      n_keys: int | None = None, chunk_size: int | None = None) -> Tensor:
+    """Eq. 8-11 fused and chunked over queries: indices [B, TQ, Hkv, n] for queries q [B, TQ, Hq, dk] at
+    positions (default 0..TQ-1) over n_keys keys (default max position + 1). Peak memory is
+    O(chunk * N) per head; no [TQ, N] or [TQ, ceil(T/l')] tensor is built for all queries at once.
+    The result does not depend on chunk_size or on the batch (bitwise)."""
+    _check_scoring_inputs(q, k_cmp, cfg)
+    B, TQ = q.shape[:2]
+    if positions is None:
+        positions = torch.arange(TQ, device=q.device)
+    if n_keys is None:
+        n_keys = int(positions.max()) + 1 if TQ else 0
+    n_sel_blocks = sel_block_count(n_keys, cfg)
+    q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
+    out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
+    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, k_cmp.shape[1], n_sel_blocks, chunk_size)):
+        scores = _chunk_scores(q[:, q0:q1], k_cmp, positions[q0:q1], n_sel_blocks, cfg)
+        out[:, q0:q1] = select_blocks_rows(scores, cfg, positions[q0:q1])
+    return out
+
+
+def _check_scoring_inputs(q: Tensor, k_cmp: Tensor, cfg: NSAConfig) -> None:
+    if not isinstance(q, Tensor) or q.ndim != 4 or q.shape[2] != cfg.n_heads or q.shape[3] != cfg.head_dim_qk:
+        raise ValueError(f"q must be [B, T, n_heads={cfg.n_heads}, head_dim_qk={cfg.head_dim_qk}]")
+    if (not isinstance(k_cmp, Tensor) or k_cmp.ndim != 4 or k_cmp.shape[0] != q.shape[0]
+            or k_cmp.shape[2] != cfg.n_kv_heads or k_cmp.shape[3] != cfg.head_dim_qk):
+        raise ValueError(f"k_cmp must be [B, N, n_kv_heads={cfg.n_kv_heads}, head_dim_qk={cfg.head_dim_qk}] "
+                         f"with q's batch")

@@ -1,0 +1,114 @@
+"""Selected-token attention (Eq. 12): each (query, KV group) attends to the tokens of its selected blocks,
+clipped to the query's position (block J is partial).
+
+Backends (the `backend` keyword):
+- "torch": masked attention over the gathered tokens, chunked over queries (optimized.masked_attention);
+- "triton": the group-centric kernel of optimized.kernels (paper Section 3.4); on CPU it needs the Triton
+  interpreter (TRITON_INTERPRET=1 set before the kernels are imported, as the root conftest.py does);
+- "auto": "triton" for CUDA tensors when the kernels import and the queries are the last TQ key positions,
+  "torch" otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from reference.config import NSAConfig
+
+from . import masks
+from .checks import check_branch_inputs
+from .masked_attention import GatheredKeys, auto_chunk_size, masked_attention, query_chunks
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def selected_tokens(indices: Tensor, positions: Tensor, cfg: NSAConfig) -> tuple[Tensor, Tensor]:
+    """Eq. 12 token sets: tokens [B, TQ, Hkv, n*l'] of the selected blocks (block j holds j*l' .. (j+1)*l' - 1)
+    and valid [same], False for padding (-1) entries and for tokens after the query."""
+    offsets = torch.arange(cfg.sel_block, device=indices.device)
+    tokens = (indices[..., None] * cfg.sel_block + offsets).flatten(-2)
+    pos = positions[None, :, None, None]
+    valid = ((indices >= 0)[..., None].expand(*indices.shape, cfg.sel_block).flatten(-2)
+             & masks.selected_token_visible(tokens, pos, cfg))
+    return tokens, valid
+
+
+class SelectedKeyPlan:
+    """Query chunks; each (query, KV head) reads the gathered tokens of its selected blocks."""
+
+    def __init__(self, indices: Tensor, positions: Tensor, cfg: NSAConfig, chunk_size: int):
+        self.indices = indices
+        self.positions = positions
+        self.cfg = cfg
+        self.chunk_size = chunk_size
+
+    def chunks(self) -> list[tuple[int, int]]:
+        return query_chunks(self.positions.shape[0], self.chunk_size)
+
+    def keys(self, q0: int, q1: int) -> GatheredKeys:
+        tokens, valid = selected_tokens(self.indices[:, q0:q1], self.positions[q0:q1], self.cfg)
+        return GatheredKeys(torch.where(valid, tokens, torch.zeros_like(tokens)), valid)
+
+
+def _use_triton(backend: str, q: Tensor, positions: Tensor, n_keys: int) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    TQ = positions.shape[0]
+    is_suffix = TQ > 0 and int(positions[0]) == n_keys - TQ and int(positions[-1]) == n_keys - 1
+    if backend == "triton":
+        if not is_suffix:
+            raise ValueError("backend='triton' needs the queries to be the last TQ key positions")
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before the kernels "
+                             "are imported")
+        return True
+    if not (q.is_cuda and is_suffix):
+        return False
+    try:
+        import optimized.kernels as kernels
+    except ImportError:
+        return False
+    return hasattr(kernels, "triton_selected_attention")
+
+
+def selected_attention_rows(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig, positions: Tensor,
+                            *, backend: str = "auto", chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Selected branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ] over keys k [B, TK, Hkv, dk]:
+    (o_slc [B, TQ, Hq, dv], reads [B, TQ, Hkv] = valid tokens of the gathered blocks)."""
+    B, TQ, Hq, _ = q.shape
+    if _use_triton(backend, q, positions, k.shape[1]):
+        from optimized.kernels import triton_selected_attention
+
+        o = triton_selected_attention(q, k, v, indices, cfg.sel_block)
+        with torch.no_grad():
+            reads = selected_tokens(indices, positions, cfg)[1].sum(dim=-1)
+        return o, reads
+    n_tokens = indices.shape[-1] * cfg.sel_block
+    if chunk_size is None:
+        per_query = B * n_tokens * (cfg.n_kv_heads * (k.shape[-1] + v.shape[-1] + 4) + Hq)
+        chunk_size = auto_chunk_size(TQ, per_query)
+    return masked_attention(SelectedKeyPlan(indices, positions, cfg, chunk_size), q, k, v)
+
+
+def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig, *,
+                       backend: str = "auto", chunk_size: int | None = None) -> Tensor:
+    """Eq. 12 branch for prefill queries 0..T-1: o_slc [B, T, Hq, d_v]."""
+    check_branch_inputs("selected_attention", q, k, v, cfg)
+    check_indices(indices, q, cfg)
+    positions = torch.arange(q.shape[1], device=q.device)
+    return selected_attention_rows(q, k, v, indices, cfg, positions, backend=backend, chunk_size=chunk_size)[0]
+
+
+def check_indices(indices: Tensor, q: Tensor, cfg: NSAConfig) -> None:
+    if not isinstance(indices, Tensor) or indices.ndim != 4 or indices.dtype != torch.int64:
+        raise ValueError("indices must be an int64 tensor [B, T, Hkv, n]")
+    if tuple(indices.shape[:3]) != (q.shape[0], q.shape[1], cfg.n_kv_heads):
+        raise ValueError(f"indices must be [B, T, Hkv, n] = [{q.shape[0]}, {q.shape[1]}, {cfg.n_kv_heads}, n], "
+                         f"got {tuple(indices.shape)}")
+    if indices.device != q.device:
+        raise ValueError(f"indices is on {indices.device} but q is on {q.device}")
