@@ -1,0 +1,251 @@
+"""Triton selected-attention kernels (optimized/kernels) vs the naive gather oracle vs the float64 loop reference.
+
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, root conftest), on tiny
+fp32 shapes. Tolerance: FlashAttention's rule via helpers.error_ratio (error vs float64 <= 2 x error of the
+same oracle run in fp32 + 1e-6). Outputs and workspaces are poisoned with NaN before each run, so a missed
+write shows up. The GPU part lives in test_kernel_selected_attention_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conformance.helpers import error_ratio, rel_error
+from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
+from optimized.kernels import selected_attention_naive, triton_selected_attention
+from optimized.kernels import selected_attention_bwd as bwd_module
+from optimized.kernels.selected_attention_fwd import selected_attention_forward
+from optimized.kernels.selected_attention_index import build_inverted_index
+from reference.branches import selected_attention_rows
+from reference.config import NSAConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = {
+    "group1": Case(tk=33, tq=33, n_kv_heads=2, group=1, dk=16, dv=16, sel_block=8, n_sel=3),
+    "group3-dk12-dv8": Case(tk=37, tq=37, n_kv_heads=2, group=3, dk=12, dv=8, sel_block=8, n_sel=3),
+    "group16": Case(tk=24, tq=24, n_kv_heads=1, group=16, dk=16, dv=8, sel_block=16, n_sel=2),
+    "decode-chunk": Case(tk=40, tq=5, n_kv_heads=2, group=2, dk=8, dv=16, sel_block=8, n_sel=4, batch=2),
+    "decode-one": Case(tk=29, tq=1, n_kv_heads=2, group=5, dk=8, dv=8, sel_block=4, n_sel=3),
+    "sel-block-24": Case(tk=40, tq=40, n_kv_heads=1, group=4, dk=8, dv=8, sel_block=24, n_sel=2),
+}
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.empty returns NaN-filled float tensors, so an output element the kernels never write stays NaN."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def perturbed_indices(case: Case, seed: int) -> torch.Tensor:
+    """Valid random indices plus edge cases: some (query, group) sets empty, some padding slots holding a
+    block after the query's current block (no visible key: Eq. 12 clips it away), int32 for odd seeds."""
+    idx = random_indices(case, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    empty = torch.rand(idx.shape[:3], generator=g) < 0.15
+    idx[empty] = -1
+    positions = torch.arange(case.tk - case.tq, case.tk).view(1, case.tq, 1)
+    future = (idx[..., -1] == -1) & ~empty & (torch.rand(idx.shape[:3], generator=g) < 0.5)
+    idx[..., -1] = torch.where(future, positions // case.sel_block + 1, idx[..., -1])
+    return idx.to(torch.int32 if seed % 2 else torch.int64)
+
+
+def reference_config(case: Case) -> NSAConfig:
+    """The loop reference only reads sel_block and the head layout from the config."""
+    return NSAConfig(cmp_block=case.sel_block, cmp_stride=case.sel_block, sel_block=case.sel_block,
+                     n_sel=case.n_sel, n_init=0, n_local=0, window=1, n_heads=case.n_heads,
+                     n_kv_heads=case.n_kv_heads, head_dim_qk=case.dk, head_dim_v=case.dv)
+
+
+def loop_reference(case: Case, q, k, v, idx) -> torch.Tensor:
+    positions = list(range(case.tk - case.tq, case.tk))
+    return selected_attention_rows(q.cpu(), k.cpu(), v.cpu(), idx.cpu(), reference_config(case), positions)[0]
+
+
+def no_visible_key(case: Case, idx: torch.Tensor) -> torch.Tensor:
+    """[B, TQ, Hkv] True where no selected block has a key <= p."""
+    positions = torch.arange(case.tk - case.tq, case.tk, device=idx.device).view(1, case.tq, 1, 1)
+    blocks = idx.long()
+    return ~((blocks >= 0) & (blocks * case.sel_block <= positions)).any(-1)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_matches_naive_and_float64_reference(name: str, poisoned_empty: None) -> None:
+    case = CASES[name]
+    q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=11)
+    idx = perturbed_indices(case, seed=len(name)).to(DEVICE)
+    o, lse = selected_attention_forward(q, k, v, idx, case.sel_block, 1.0 / math.sqrt(case.dk))
+
+    assert torch.isfinite(o).all(), "o has unwritten (NaN) or non-finite elements"
+    empty = no_visible_key(case, idx).repeat_interleave(case.group, dim=2)
+    assert not torch.isnan(lse).any(), "lse has unwritten (NaN) elements"
+    assert torch.equal(torch.isinf(lse), empty), "lse must be -inf exactly for queries with no visible key"
+    assert (o[empty] == 0).all(), "a query with no visible key must output 0"
+
+    oracle = loop_reference(case, q.double(), k.double(), v.double(), idx)
+    ref_fp32 = loop_reference(case, q, k, v, idx)
+    naive = selected_attention_naive(q, k, v, idx, case.sel_block)
+    assert rel_error(selected_attention_naive(q.double(), k.double(), v.double(), idx, case.sel_block),
+                     oracle) < 1e-12, "the naive oracle disagrees with the loop reference"
+    assert rel_error(o, naive) < 1e-5
+    assert error_ratio(o, ref_fp32, oracle) <= 1.0
+
+
+BACKWARD_CASES = ["group1", "group3-dk12-dv8", "group16", "decode-chunk", "sel-block-24"]
+
+
+@pytest.mark.parametrize("name", BACKWARD_CASES)
+def test_backward_matches_naive_autograd(name: str, poisoned_empty: None) -> None:
+    case = CASES[name]
+    q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=5)
+    idx = perturbed_indices(case, seed=len(name) + 3).to(DEVICE)
+    do = torch.randn((case.batch, case.tq, case.n_heads, case.dv), generator=torch.Generator().manual_seed(9))
+    do = do.to(DEVICE)
+
+    def grads(fn, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, idx, case.sel_block)
+        return [out] + list(torch.autograd.grad(out, leaves, do.to(dtype)))
+
+    kernel = grads(triton_selected_attention, torch.float32)
+    fp32 = grads(selected_attention_naive, torch.float32)
+    oracle = grads(selected_attention_naive, torch.float64)
+    for label, got, low, exact in zip(("o", "dq", "dk", "dv"), kernel, fp32, oracle):
+        assert torch.isfinite(got).all(), f"{label} has NaN/inf (unwritten element?)"
+        assert rel_error(got, exact) < 1e-5, label
+        assert error_ratio(got, low, exact) <= 1.0, label
+
+
+def test_backward_split_blocks_match_whole_blocks(poisoned_empty: None) -> None:
+    """Blocks cut over several dk/dv programs (workspace slots + ordered reduction) give the same gradients."""
+    case = CASES["group3-dk12-dv8"]
+    q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=2)
+    idx = perturbed_indices(case, seed=4).to(DEVICE)
+    scale = 1.0 / math.sqrt(case.dk)
+    o, lse = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    do = torch.randn_like(o)
+    split = bwd_module.selected_attention_backward(q, k, v, idx, o, lse, do, case.sel_block, scale,
+                                                   queries_per_item=3)
+    leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    exact = torch.autograd.grad(selected_attention_naive(*leaves, idx, case.sel_block), leaves, do.double())
+    for label, got, ref in zip(("dq", "dk", "dv"), split, exact):
+        assert torch.isfinite(got).all(), label
+        assert rel_error(got, ref) < 1e-5, label
+
+
+def test_backward_is_bitwise_deterministic() -> None:
+    """dk/dv use no atomics: two runs (split path included) give identical bits."""
+    case = CASES["group1"]
+    q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=3)
+    idx = random_indices(case, seed=8).to(DEVICE)
+    scale = 1.0 / math.sqrt(case.dk)
+    o, lse = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    do = torch.randn_like(o)
+    runs = [bwd_module.selected_attention_backward(q, k, v, idx, o, lse, do, case.sel_block, scale,
+                                                   queries_per_item=4) for _ in range(2)]
+    for label, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), f"{label} differs between two identical runs"
+
+
+def test_strided_and_non_contiguous_inputs() -> None:
+    """Views of larger tensors (odd strides) and a value tensor whose last dim is not contiguous."""
+    case = CASES["group3-dk12-dv8"]
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(case.batch, case.tq, case.n_heads, 2 * case.dk, generator=g).to(DEVICE)
+    q = qkv[..., case.dk:]
+    k = torch.randn(case.batch, case.n_kv_heads, case.tk, case.dk, generator=g).to(DEVICE).transpose(1, 2)
+    v = torch.randn(case.batch, case.tk, case.dv, case.n_kv_heads, generator=g).to(DEVICE).transpose(2, 3)
+    assert v.stride(-1) != 1 and not k.is_contiguous() and not q.is_contiguous()
+    idx = random_indices(case, seed=1).to(DEVICE)[..., :2].contiguous().transpose(0, 1).transpose(0, 1)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    o = triton_selected_attention(*leaves, idx, case.sel_block)
+    do = torch.randn_like(o)
+    got = [o] + list(torch.autograd.grad(o, leaves, do))
+    ref_leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    ref_o = selected_attention_naive(*ref_leaves, idx, case.sel_block)
+    ref = [ref_o] + list(torch.autograd.grad(ref_o, ref_leaves, do.double()))
+    for label, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
+        assert rel_error(a, b) < 1e-5, label
+
+
+def test_explicit_scale_is_used() -> None:
+    case = CASES["decode-one"]
+    q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=4)
+    idx = random_indices(case, seed=4).to(DEVICE)
+    o = triton_selected_attention(q, k, v, idx, case.sel_block, scale=0.37)
+    ref = selected_attention_naive(q.double(), k.double(), v.double(), idx, case.sel_block, scale=0.37)
+    assert rel_error(o, ref) < 1e-5
+    assert rel_error(o, selected_attention_naive(q, k, v, idx, case.sel_block)) > 1e-3
+
+
+def test_inverted_index_lists_every_selecting_query() -> None:
+    """CSR items vs a loop over (b, t, g, slot): each (b, g, j) lists exactly the queries whose set holds j
+    with a visible key, ascending; items respect queries_per_item; split blocks own contiguous slots."""
+    case = Case(tk=29, tq=20, n_kv_heads=2, group=1, dk=8, dv=8, sel_block=4, n_sel=3, batch=2)
+    idx = random_indices(case, seed=6)
+    idx[0, 3, 1, -1] = 9  # a block after the query's position: not listed
+    per_item = 3
+    index = build_inverted_index(idx, case.tk, case.sel_block, queries_per_item=per_item)
+    expected: dict[tuple[int, int, int], list[int]] = {}
+    for b in range(case.batch):
+        for t in range(case.tq):
+            p = case.tk - case.tq + t
+            for g in range(case.n_kv_heads):
+                for j in idx[b, t, g].tolist():
+                    if j >= 0 and j * case.sel_block <= p:
+                        expected.setdefault((b, g, j), []).append(t)
+    got: dict[tuple[int, int, int], list[int]] = {}
+    slots_of: dict[int, list[int]] = {}
+    for i in range(index.n_items):
+        key = int(index.item_key[i])
+        j, bg = key % index.n_blocks, key // index.n_blocks
+        rows = index.query_rows[int(index.item_begin[i]):int(index.item_end[i])].tolist()
+        assert 1 <= len(rows) <= per_item
+        got.setdefault((bg // case.n_kv_heads, bg % case.n_kv_heads, j), []).extend(rows)
+        if int(index.item_slot[i]) >= 0:
+            slots_of.setdefault(key, []).append(int(index.item_slot[i]))
+    assert got == expected
+    assert sorted(slots_of) == index.split_key.tolist()
+    for key, begin, end in zip(index.split_key.tolist(), index.slot_begin.tolist(), index.slot_end.tolist()):
+        assert slots_of[key] == list(range(begin, end))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q_heads=65 * 1, kv_heads=1), "group size"),
+    (dict(dk=264), "head dims"),
+    (dict(index_dtype=torch.float32), "int32 or int64"),
+    (dict(tq=9), "TQ"),
+    (dict(q_dtype=torch.float64), "dtype"),
+    (dict(sel_block=0), "sel_block"),
+    (dict(kv_heads=3), "multiple of Hkv"),
+])
+def test_bad_input_raises_value_error(change: dict, match: str) -> None:
+    tq, tk = change.get("tq", 8), 8
+    hq, hkv = change.get("q_heads", 4), change.get("kv_heads", 2)
+    dk = change.get("dk", 8)
+    q = torch.randn(1, tq, hq, dk, dtype=change.get("q_dtype", torch.float32))
+    k = torch.randn(1, tk, hkv, dk)
+    v = torch.randn(1, tk, hkv, 8)
+    idx = torch.zeros(1, tq, hkv, 2, dtype=change.get("index_dtype", torch.int64))
+    with pytest.raises(ValueError, match=match):
+        triton_selected_attention(q, k, v, idx, change.get("sel_block", 4))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-without-interpreter message")
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    case = CASES["decode-one"]
+    q, k, v = random_qkv(case, dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        triton_selected_attention(q, k, v, random_indices(case, seed=0), case.sel_block)
