@@ -109,3 +109,46 @@ def error_ratio(candidate: Tensor, low_precision_ref: Tensor, oracle: Tensor, at
     err = max_abs_error(candidate, oracle)
     budget = 2 * max_abs_error(low_precision_ref, oracle) + atol
     return err / budget
+
+
+def named_tensors(x: Inputs) -> dict[str, Tensor]:
+    """The input tensors of x by name (q, gates, kv.<branch>.k/v; a shared k/v appears once, as kv.cmp)."""
+    out: dict[str, Tensor] = {"q": x.q, "gates": x.gates}
+    for branch in ("cmp", "slc", "win"):
+        k, v = x.kv.branch(branch)
+        for part, t in (("k", k), ("v", v)):
+            if all(t is not o for o in out.values()):
+                out[f"kv.{branch}.{part}"] = t
+    if x.phi is not None:
+        for side in ("k", "v"):
+            for part, t in zip(("pos", "w1", "b1", "w2", "b2"), getattr(x.phi, side).tensors()):
+                out[f"phi.{side}.{part}"] = t
+    return out
+
+
+def perturb_from(x: Inputs, start: int, *, seed: int, scale: float = 3.0) -> Inputs:
+    """A detached copy of x whose q, every branch's keys/values and gates at sequence positions >= start
+    hold new random values (gates stay in [0, 1]); phi weights are kept. Shared k/v stay shared."""
+    y = x.to()
+    g = torch.Generator().manual_seed(seed)
+    for name, t in named_tensors(y).items():
+        if name.startswith("phi.") or t.shape[1] <= start:
+            continue
+        fresh = torch.rand if name == "gates" else torch.randn
+        new = fresh(t[:, start:].shape, generator=g, dtype=torch.float64)
+        if name != "gates":
+            new = new * scale
+        with torch.no_grad():
+            t[:, start:] = new.to(dtype=t.dtype, device=t.device)
+    return y
+
+
+def first_difference(a: Tensor, b: Tensor) -> str:
+    """Where two same-shaped tensors first differ (for assertion messages); '' if bitwise equal."""
+    if a.shape != b.shape:
+        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    neq = (a != b) & ~(torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a != b
+    if not bool(neq.any()):
+        return ""
+    idx = tuple(int(i) for i in neq.nonzero()[0])
+    return f"first at index {idx}: {a[idx].item()!r} vs {b[idx].item()!r} ({int(neq.sum())} entries differ)"

@@ -3,12 +3,21 @@
 An implementation is any object (usually a module) exposing some of the contract's stage functions
 under their contract names (docs/api.md). `--impl` takes `reference`, `optimized`, or
 `package.module:attr` (attr may be a module, a class instance or a namespace). A property whose stages
-the implementation lacks is reported NOT COVERED, never PASS.
+the implementation lacks is reported NOT COVERED, never PASS. docs/adapters.md explains how to write one.
+
+Optional attributes an implementation may expose besides its stages:
+- NAME: a short name for the reports (default: the --impl value).
+- SHARED_KV = True: its branches share one k/v (the suite then builds inputs with BranchKV.shared).
+An adapter raises NotCovered from a stage for an input it cannot take (a config it does not support,
+independent k/v, ...); the test that asked is then reported NOT COVERED instead of FAIL.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +38,22 @@ STAGES = (
 NOT_COVERED = "NOT COVERED"
 
 
+class NotCovered(Exception):
+    """Raised by an adapter's stage for an input it cannot handle; the calling test becomes NOT COVERED."""
+
+
+def not_covered(reason: str) -> None:
+    """Skip the calling test as NOT COVERED with a reason (for tests that find a stage's output lacking)."""
+    pytest.skip(f"{NOT_COVERED}: {reason}")
+
+
 @dataclass
 class Implementation:
     name: str
     target: Any
     stages: dict[str, Any] = field(default_factory=dict)
+    spec: str = ""
+    shared_kv: bool = False
 
     def has(self, *names: str) -> bool:
         return all(n in self.stages for n in names)
@@ -42,13 +62,33 @@ class Implementation:
         """Skip the calling test as NOT COVERED when a stage it needs is missing."""
         missing = [n for n in names if n not in self.stages]
         if missing:
-            pytest.skip(f"{NOT_COVERED}: {self.name} provides no {', '.join(missing)}")
+            not_covered(f"{self.name} provides no {', '.join(missing)}")
+
+    def takes(self, stage: str, argument: str) -> bool:
+        """Whether a stage accepts a keyword argument (e.g. chunk_size)."""
+        if stage not in self.stages:
+            return False
+        try:
+            return argument in inspect.signature(self.stages[stage]).parameters
+        except (TypeError, ValueError):
+            return False
 
     def __getattr__(self, item: str) -> Any:
         stages = self.__dict__.get("stages", {})
         if item in stages:
-            return stages[item]
+            return _reporting_not_covered(stages[item])
         raise AttributeError(f"implementation {self.__dict__.get('name')!r} provides no {item!r}")
+
+
+def _reporting_not_covered(stage: Any) -> Any:
+    @functools.wraps(stage)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return stage(*args, **kwargs)
+        except NotCovered as exc:
+            not_covered(str(exc))
+
+    return call
 
 
 def load_impl(spec: str) -> Implementation:
@@ -64,5 +104,11 @@ def load_impl(spec: str) -> Implementation:
     else:
         raise ValueError(f"--impl {spec!r}: expected 'reference', 'optimized' or 'package.module:attr'")
     stages = {name: getattr(target, name) for name in STAGES if getattr(target, name, None) is not None}
-    name = getattr(target, "NAME", spec)
-    return Implementation(name=name, target=target, stages=stages)
+    name = str(getattr(target, "NAME", spec))
+    return Implementation(name=name, target=target, stages=stages, spec=spec,
+                          shared_kv=bool(getattr(target, "SHARED_KV", False)))
+
+
+def file_stem(name: str) -> str:
+    """A file-name-safe form of an implementation name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "impl"

@@ -1,0 +1,82 @@
+"""Hypothesis strategies over small NSA configs and sequence lengths, and the reproducer printed on failure.
+
+Configs keep the convention switches of the checked preset (--preset: phi, window_keys,
+cmp_visibility, selection_score, group_reduce, and equal block sizes for `equal_blocks`) and draw
+small sizes, so every property runs in milliseconds on the reference yet crosses block, window and
+selection boundaries. The example budget comes from the hypothesis profile (root conftest.py:
+`ci` bounded, `thorough` long; HYPOTHESIS_PROFILE=thorough).
+"""
+
+from __future__ import annotations
+
+from hypothesis import note
+from hypothesis import strategies as st
+
+from reference.config import NSAConfig
+
+
+def equal_blocks(preset: NSAConfig) -> bool:
+    return preset.cmp_block == preset.cmp_stride == preset.sel_block
+
+
+@st.composite
+def configs(draw: st.DrawFn, preset: NSAConfig, *, max_blocks: int = 4, max_window: int = 12,
+            phi: str | None = None) -> NSAConfig:
+    """A small valid NSAConfig with the preset's conventions (phi overridable, e.g. "avg" for phi-free checks)."""
+    d = draw(st.sampled_from([1, 2, 4]))
+    if equal_blocks(preset):
+        l = lp = d
+    else:
+        a = draw(st.integers(1, 3))
+        l, lp = d * a, d * draw(st.integers(a, max(a, max_blocks)))
+    n_init = draw(st.integers(0, 1))
+    n_local = draw(st.integers(0, 2))
+    n_sel = draw(st.integers(max(1, n_init + n_local), n_init + n_local + 3))
+    n_kv = draw(st.integers(1, 2))
+    group = draw(st.integers(1, 3))
+    return preset.replace(
+        cmp_block=l, cmp_stride=d, sel_block=lp, n_sel=n_sel, n_init=n_init, n_local=n_local,
+        window=draw(st.integers(1, max_window)), n_heads=n_kv * group, n_kv_heads=n_kv,
+        head_dim_qk=draw(st.sampled_from([2, 4])), head_dim_v=draw(st.sampled_from([2, 3])),
+        phi=phi or preset.phi,
+    )
+
+
+def boundaries(cfg: NSAConfig, limit: int) -> list[int]:
+    """Positions where conventions differ: around the end of compressed blocks (i*d + l - 1), selection
+    block starts (k*l'), and the window edge, within 1..limit."""
+    out = set()
+    for i in range(limit // cfg.cmp_stride + 1):
+        end = i * cfg.cmp_stride + cfg.cmp_block - 1
+        out.update((end, end + 1))
+    for k in range(1, limit // cfg.sel_block + 2):
+        out.update((k * cfg.sel_block - 1, k * cfg.sel_block, k * cfg.sel_block + 1))
+    out.update((cfg.window_size - 1, cfg.window_size, cfg.window_size + 1))
+    return sorted(x for x in out if 1 <= x <= limit)
+
+
+@st.composite
+def lengths(draw: st.DrawFn, cfg: NSAConfig, *, low: int = 1, high: int = 40) -> int:
+    """A sequence length in low..high, often one of the config's boundary positions (+1)."""
+    edges = [b + 1 for b in boundaries(cfg, high - 1) if low <= b + 1 <= high]
+    if edges and draw(st.booleans()):
+        return draw(st.sampled_from(edges))
+    return draw(st.integers(low, high))
+
+
+def show_reproducer(impl_spec: str, cfg: NSAConfig, call: str, **make_inputs_kwargs) -> str:
+    """note() a ready-to-paste python snippet that rebuilds the failing inputs and calls the stage."""
+    args = ", ".join(f"{k}={v!r}" for k, v in make_inputs_kwargs.items())
+    snippet = (
+        "# --- reproducer (paste into python at the repository root) ---\n"
+        "import torch\n"
+        "from conformance.adapters import load_impl\n"
+        "from conformance.helpers import make_inputs\n"
+        "from reference.config import NSAConfig\n"
+        f"impl = load_impl({impl_spec!r})\n"
+        f"cfg = NSAConfig(**{cfg.to_dict()!r})\n"
+        f"x = make_inputs(cfg, {args})\n"
+        f"{call}\n"
+    )
+    note(snippet)
+    return snippet

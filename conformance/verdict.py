@@ -1,0 +1,328 @@
+"""The verdict plugin: groups test outcomes per property, prints the PASS / FAIL / NOT COVERED table,
+writes reports/conformance/<stem>.json and .md, and compares deterministic metrics with the baseline.
+
+A property is a test module under conformance/ with module attributes PROPERTY (its name) and
+EQUATION (what of the paper it checks). Its verdict:
+- FAIL: a test failed or errored, or a metric regressed against the baseline;
+- PASS: every test ran and passed (tests skipped as not applicable, e.g. a GPU-only check on CPU, aside);
+- PARTIAL: tests passed, but some were NOT COVERED (the implementation lacks a stage they need);
+- NOT COVERED: no test of the property could run.
+
+Metrics are recorded by tests through the `record_metric` fixture: kind "ratio" (an error divided by its
+allowed error; <= 1 passes; the worst per property is reported) and kind "count" (exact integers such as
+counted reads). Baseline rule: a worst ratio that grows by more than 2x (both sides floored at
+RATIO_FLOOR, below which float64 rounding noise dominates) fails, and a count must equal its baseline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .adapters import NOT_COVERED, file_stem
+
+PROPERTY_KEY = "nsa_property"
+METRIC_KEY = "nsa_metric"
+RATIO_GROWTH_LIMIT = 2.0
+RATIO_FLOOR = 0.01
+VERDICTS = ("PASS", "FAIL", "PARTIAL", "NOT COVERED")
+
+
+@dataclass
+class PropertyResult:
+    name: str
+    equation: str
+    module: str
+    passed: int = 0
+    failed: int = 0
+    not_covered: int = 0
+    not_applicable: int = 0
+    ratios: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    not_covered_reasons: list[str] = field(default_factory=list)
+    regressions: list[str] = field(default_factory=list)
+
+    @property
+    def worst_ratio(self) -> float | None:
+        return max(self.ratios.values()) if self.ratios else None
+
+    @property
+    def verdict(self) -> str:
+        if self.failed or self.regressions:
+            return "FAIL"
+        if self.passed == 0:
+            return "NOT COVERED"
+        return "PARTIAL" if self.not_covered else "PASS"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "property": self.name, "equation": self.equation, "module": self.module, "verdict": self.verdict,
+            "tests": {"passed": self.passed, "failed": self.failed, "not_covered": self.not_covered,
+                      "not_applicable": self.not_applicable},
+            "worst_error_ratio": self.worst_ratio, "ratios": self.ratios, "counts": self.counts,
+            "failures": self.failures, "not_covered_reasons": sorted(set(self.not_covered_reasons)),
+            "baseline_regressions": self.regressions,
+        }
+
+
+class MetricRecorder:
+    """record_metric(name, value, kind="ratio"|"count"): attach a metric to the running test."""
+
+    def __init__(self) -> None:
+        self.item: pytest.Item | None = None
+
+    def __call__(self, name: str, value: float, kind: str = "ratio") -> None:
+        if kind not in ("ratio", "count"):
+            raise ValueError(f"record_metric kind must be 'ratio' or 'count', got {kind!r}")
+        if self.item is None:
+            raise RuntimeError("record_metric called outside a running test")
+        value = int(value) if kind == "count" else float(value)
+        self.item.user_properties.append((METRIC_KEY, (name, kind, value)))
+
+
+class VerdictPlugin:
+    def __init__(self, config: pytest.Config, run_info: dict[str, Any]) -> None:
+        self.config = config
+        self.run_info = run_info
+        self.recorder = MetricRecorder()
+        self.results: dict[str, PropertyResult] = {}
+        self.baseline_note = ""
+        self.written: list[Path] = []
+        self.suite_dir = Path(__file__).parent.resolve()
+
+    # Collection: tag each conformance item with its property --------------------------------------
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            module = getattr(item, "module", None)
+            path = Path(str(getattr(item, "path", ""))).resolve()
+            if module is None or self.suite_dir not in path.parents:
+                continue
+            rel = path.relative_to(self.suite_dir.parent).as_posix()
+            name = getattr(module, "PROPERTY", None) or f"(no PROPERTY) {rel}"
+            equation = getattr(module, "EQUATION", None) or "-"
+            item.user_properties.append((PROPERTY_KEY, (name, equation, rel)))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        self.recorder.item = item
+        try:
+            yield
+        finally:
+            self.recorder.item = None
+
+    # Outcomes -----------------------------------------------------------------------------------
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        props = dict(report.user_properties)
+        if PROPERTY_KEY not in props:
+            return
+        name, equation, module = props[PROPERTY_KEY]
+        res = self.results.setdefault(name, PropertyResult(name, equation, module))
+        if report.failed:
+            res.failed += 1
+            res.failures.append(f"{report.nodeid} ({report.when}): {_failure_message(report)}")
+        elif report.skipped and report.when in ("setup", "call"):
+            reason = _skip_reason(report)
+            if reason.startswith(NOT_COVERED):
+                res.not_covered += 1
+                res.not_covered_reasons.append(reason[len(NOT_COVERED):].lstrip(": "))
+            else:
+                res.not_applicable += 1
+        elif report.passed and report.when == "call":
+            res.passed += 1
+        if report.when == "call":
+            for key, value in report.user_properties:
+                if key != METRIC_KEY:
+                    continue
+                metric, kind, number = value
+                if kind == "ratio":
+                    res.ratios[metric] = max(res.ratios.get(metric, -math.inf), number)
+                else:
+                    res.counts[metric] = number
+
+    # Verdict, baseline, reports -------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if hasattr(self.config, "workerinput") or not self.results:
+            return
+        self._compare_with_baseline()
+        if self.config.getoption("--update-baseline"):
+            self._write_baseline()
+        report_dir = self.config.getoption("--report-dir")
+        if report_dir:
+            self._write_reports(Path(report_dir))
+        if any(r.regressions for r in self.results.values()) and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if hasattr(self.config, "workerinput") or not self.results:
+            return
+        tr = terminalreporter
+        tr.write_sep("=", "NSA conformance verdict")
+        tr.write_line(self._header())
+        for line in self._table_lines():
+            tr.write_line(line)
+        for res in self._ordered():
+            for failure in res.failures[:3]:
+                tr.write_line(f"  FAIL {res.name}: {failure}")
+            for regression in res.regressions:
+                tr.write_line(f"  BASELINE {res.name}: {regression}")
+        if self.baseline_note:
+            tr.write_line(self.baseline_note)
+        for path in self.written:
+            tr.write_line(f"wrote {path}")
+
+    # Helpers ------------------------------------------------------------------------------------
+    def _ordered(self) -> list[PropertyResult]:
+        return sorted(self.results.values(), key=lambda r: (r.module.startswith("conformance/selftest"), r.module))
+
+    def _header(self) -> str:
+        i = self.run_info
+        return (f"impl={i['impl']}  device={i['device']}  dtype={i['dtype']}  preset={i['preset']}  "
+                f"hypothesis profile={i['hypothesis_profile']}")
+
+    def _table_lines(self) -> list[str]:
+        rows = [("Property", "Equation", "Verdict", "pass/fail/not covered", "Worst error ratio")]
+        for r in self._ordered():
+            worst = "-" if r.worst_ratio is None else f"{r.worst_ratio:.3g}"
+            rows.append((r.name, r.equation, r.verdict, f"{r.passed}/{r.failed}/{r.not_covered}", worst))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return lines
+
+    def _baseline_key(self) -> str:
+        i = self.run_info
+        return "|".join((i["impl"], i["device"], i["dtype"], i["preset"], i["hypothesis_profile"]))
+
+    def _baseline_path(self) -> Path:
+        return Path(self.config.getoption("--baseline"))
+
+    def _load_baseline(self) -> dict[str, Any]:
+        path = self._baseline_path()
+        if not path.exists():
+            return {}
+        with path.open() as f:
+            return json.load(f)
+
+    def _compare_with_baseline(self) -> None:
+        entry = self._load_baseline().get(self._baseline_key())
+        if entry is None:
+            self.baseline_note = f"baseline: no entry {self._baseline_key()!r} in {self._baseline_path()} (not compared)"
+            return
+        self.baseline_note = f"baseline: compared with {self._baseline_key()!r} in {self._baseline_path()}"
+        for res in self.results.values():
+            old = entry.get(res.name, {})
+            for metric, value in res.ratios.items():
+                before = old.get("ratios", {}).get(metric)
+                if before is None:
+                    continue
+                if max(value, RATIO_FLOOR) > RATIO_GROWTH_LIMIT * max(before, RATIO_FLOOR):
+                    res.regressions.append(f"{metric} grew from {before:.3g} to {value:.3g} (> {RATIO_GROWTH_LIMIT}x)")
+            for metric, value in res.counts.items():
+                before = old.get("counts", {}).get(metric)
+                if before is not None and before != value:
+                    res.regressions.append(f"{metric} changed from {before} to {value}")
+
+    def _write_baseline(self) -> None:
+        path = self._baseline_path()
+        data = self._load_baseline()
+        data[self._baseline_key()] = {
+            r.name: {"ratios": {k: _round(v) for k, v in sorted(r.ratios.items())}, "counts": dict(sorted(r.counts.items()))}
+            for r in self._ordered() if r.ratios or r.counts
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(sorted(data.items())), indent=2) + "\n")
+        self.written.append(path)
+
+    def _write_reports(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        i = self.run_info
+        stem = file_stem(i["impl"]) + f"-{i['device']}"
+        if i["dtype"] != "float32":
+            stem += f"-{i['dtype']}"
+        if i["preset"] != "paper":
+            stem += f"-{i['preset']}"
+        results = [r.to_dict() for r in self._ordered()]
+        summary = {v: sum(r["verdict"] == v for r in results) for v in VERDICTS}
+        payload = {**i, "baseline": self.baseline_note, "summary": summary, "properties": results}
+        json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        md_path.write_text(self._markdown(payload))
+        self.written += [json_path, md_path]
+
+    def _markdown(self, payload: dict[str, Any]) -> str:
+        lines = [f"# NSA conformance: {payload['impl']} on {payload['device']} ({payload['dtype']})", "",
+                 f"- implementation: `{payload['impl_spec']}`", f"- preset: `{payload['preset']}` "
+                 f"(sizes drawn small by the strategies; conventions as below)",
+                 f"- preset conventions: `{json.dumps(payload['preset_config'])}`",
+                 f"- hypothesis profile: `{payload['hypothesis_profile']}`; torch {payload['torch']}; "
+                 f"python {payload['python']}; {payload['date']}",
+                 f"- {payload['baseline']}", "",
+                 "| Property | Equation | Verdict | pass/fail/not covered | Worst error ratio |",
+                 "|---|---|---|---|---|"]
+        for r in payload["properties"]:
+            t = r["tests"]
+            worst = "-" if r["worst_error_ratio"] is None else f"{r['worst_error_ratio']:.3g}"
+            lines.append(f"| {r['property']} | {r['equation']} | {r['verdict']} | "
+                         f"{t['passed']}/{t['failed']}/{t['not_covered']} | {worst} |")
+        details = [r for r in payload["properties"] if r["failures"] or r["not_covered_reasons"]
+                   or r["baseline_regressions"] or r["counts"]]
+        if details:
+            lines += ["", "## Details", ""]
+        for r in details:
+            lines.append(f"### {r['property']}")
+            lines += [f"- FAIL: `{f}`" for f in r["failures"]]
+            lines += [f"- baseline: {g}" for g in r["baseline_regressions"]]
+            lines += [f"- NOT COVERED: {n}" for n in r["not_covered_reasons"]]
+            lines += [f"- {k} = {v}" for k, v in r["counts"].items()]
+            lines.append("")
+        return "\n".join(lines).rstrip() + "\n"
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        reason = str(longrepr[2])
+    else:
+        reason = str(longrepr)
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+def _failure_message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else report.longreprtext
+    first = text.strip().splitlines()[0] if text.strip() else "failed"
+    return first if len(first) <= 300 else first[:297] + "..."
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def run_info(config: pytest.Config, impl_name: str) -> dict[str, Any]:
+    import torch
+
+    from reference.config import NSAConfig
+
+    preset = config.getoption("--preset")
+    return {
+        "impl": impl_name,
+        "impl_spec": config.getoption("--impl"),
+        "device": torch.device(config.getoption("--device")).type,
+        "dtype": config.getoption("--dtype"),
+        "preset": preset,
+        "preset_config": NSAConfig.preset(preset).to_dict(),
+        "hypothesis_profile": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
