@@ -1,0 +1,236 @@
+"""Command line: `python -m perf {run,report,compare,floors}` (run `python -m perf run -h` for the options).
+
+Exit status: 0 ok; 1 a regression against the baseline; 2 bad usage, no GPU for --device cuda, or a baseline
+that cannot be compared; 3 some case raised an error other than out-of-memory (the sweep still finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from . import baseline as gate
+from .env import describe, nvidia_smi, slug
+from .flops import StageWork, selected_token_count
+from .implementations import parse_impls
+from .report import make_report
+from .results import ERROR, merge_rows, read_meta, read_rows, write_rows, RESULTS_CSV
+from .runner import Runner
+from .spec import LAYER, NSA_STAGES, PASSES, preset
+
+EXIT_REGRESSION, EXIT_USAGE, EXIT_CASE_ERROR = 1, 2, 3
+DEFAULT_OUT = Path("reports/perf")
+DEFAULT_BASELINES = Path("reports/baselines")
+DEFAULT_README = Path("reports/README.md")
+
+
+def _out_root() -> Path | None:
+    """$OUT (the GPU runner's fetch-back folder) when set: results and new baselines are written under it."""
+    out = os.environ.get("OUT")
+    return Path(out) if out else None
+
+
+def parse_seq_lens(text: str) -> tuple[int, ...]:
+    values = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        scale = 1024 if part.endswith("k") else 1
+        digits = part[:-1] if part.endswith("k") else part
+        if not digits.isdigit() or int(digits) <= 0:
+            raise argparse.ArgumentTypeError(f"--seq-lens entry {part!r} is not a positive int (or Nk)")
+        values.append(int(digits) * scale)
+    if not values:
+        raise argparse.ArgumentTypeError("--seq-lens needs at least one length")
+    return tuple(values)
+
+
+def _names(allowed: tuple[str, ...], flag: str):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{flag} must be a comma list of {allowed}, got {text!r}")
+        return names
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="time every case, write CSV/JSON/plots, optionally gate on a baseline")
+    run.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    run.add_argument("--preset", choices=("paper", "tiny"), default="paper",
+                     help="paper: the issue-8 H100 sweep; tiny: CPU-sized shapes of the same code paths")
+    run.add_argument("--seq-lens", type=parse_seq_lens, help="comma list, e.g. 8k,16k,32k,64k,128k")
+    run.add_argument("--batch", type=int)
+    run.add_argument("--repeats", type=int, help="timed runs per round (>= 20 for reported GPU numbers)")
+    run.add_argument("--rounds", type=int, help="rounds per case; their spread sizes the regression threshold")
+    run.add_argument("--warmup", type=int)
+    run.add_argument("--time-budget", type=float, help="seconds; cases that would end past it are skipped")
+    run.add_argument("--impls", default="sdpa,nsa", help="sdpa, nsa, nsa[backend=torch,chunk_size=4096], ...")
+    run.add_argument("--nsa-impl", default="optimized", help="module with the contract functions (or mod:attr)")
+    run.add_argument("--stages", type=_names(NSA_STAGES, "--stages"), help=f"subset of {NSA_STAGES}")
+    run.add_argument("--passes", type=_names(PASSES, "--passes"), help=f"subset of {PASSES}")
+    run.add_argument("--out", type=Path, help="results folder (default reports/perf, or $OUT/perf when $OUT is set)")
+    run.add_argument("--merge", action="store_true", help="keep rows of --out that this sweep does not measure")
+    run.add_argument("--readme", type=Path, help="also rewrite the PERF section of this README")
+    run.add_argument("--compare-baseline", action="store_true", help="fail (exit 1) on a regression")
+    run.add_argument("--update-baseline", action="store_true", help="write this sweep as the new baseline")
+    run.add_argument("--baseline", type=Path, help="baseline to compare with (default "
+                     "reports/baselines/perf-<device-slug>.json)")
+    run.add_argument("--baseline-dir", type=Path, help="where --update-baseline writes (default reports/baselines, "
+                     "or $OUT/baselines when $OUT is set)")
+
+    rep = sub.add_parser("report", help="regenerate plots and the README section from a results CSV")
+    rep.add_argument("--results", type=Path, default=DEFAULT_OUT / RESULTS_CSV)
+    rep.add_argument("--readme", type=Path, default=DEFAULT_README)
+
+    cmp = sub.add_parser("compare", help="compare a results CSV/JSON with a baseline file (no timing)")
+    cmp.add_argument("--results", type=Path, default=DEFAULT_OUT / RESULTS_CSV)
+    cmp.add_argument("--baseline", type=Path, required=True)
+
+    flo = sub.add_parser("floors", help="print per-stage FLOP and byte floors for one T (paper config)")
+    flo.add_argument("--seq-len", type=parse_seq_lens, default=(65536,))
+    flo.add_argument("--preset", choices=("paper", "tiny"), default="paper")
+    flo.add_argument("--peak-tflops", type=float, required=True, help="matmul ceiling, TFLOP/s")
+    flo.add_argument("--bandwidth-gbps", type=float, required=True, help="copy ceiling, GB/s (read + write)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "floors": cmd_floors}[args.command](args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA GPU is visible to torch "
+                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run on a GPU machine or use "
+                         "--device cpu --preset tiny")
+    return torch.device(name)
+
+
+def cmd_run(args) -> int:
+    device = _device(args.device)
+    overrides = {k: v for k, v in {
+        "seq_lens": args.seq_lens, "batch": args.batch, "repeats": args.repeats, "rounds": args.rounds,
+        "warmup": args.warmup, "time_budget_s": args.time_budget, "stages": args.stages, "passes": args.passes,
+    }.items() if v is not None}
+    spec = preset(args.preset, **overrides)
+    with_sdpa, variants = parse_impls(args.impls, args.nsa_impl)
+    root = _out_root()
+    out_dir = args.out or (root / "perf" if root else DEFAULT_OUT)
+    baseline_dir = args.baseline_dir or (root / "baselines" if root else DEFAULT_BASELINES)
+
+    env = describe(device)
+    device_slug = slug(env["device"])
+    baseline_file = args.baseline or gate.baseline_path(DEFAULT_BASELINES, device_slug, spec.name)
+    if args.compare_baseline and not args.update_baseline and not baseline_file.exists():
+        raise ValueError(f"--compare-baseline: no baseline {baseline_file}; write one with --update-baseline")
+    print(f"perf: {env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
+          f"spec {spec.name} T={list(spec.seq_lens)} | impls {args.impls} | budget {spec.time_budget_s:.0f} s")
+
+    runner = Runner(spec, device, with_sdpa, variants)
+    ceilings = runner.measure_ceilings()
+    rows = runner.run()
+    if device.type == "cuda":
+        env["nvidia_smi_end"] = nvidia_smi(device.index or 0)
+    skipped = [r for r in rows if r.status == "skipped"]
+    meta = {"env": env, "spec": spec.to_dict(), "shape_key": spec.shape_key(), "ceilings": ceilings.to_dict(),
+            "impls": args.impls, "nsa_impl": args.nsa_impl, "elapsed_s": runner.elapsed(),
+            "skipped_cases": len(skipped)}
+    if args.merge:
+        old_meta = read_meta(out_dir)
+        if old_meta and old_meta.get("shape_key") != meta["shape_key"]:
+            raise ValueError(f"--merge: {out_dir} holds results of different shapes/config; use another --out")
+        old = read_rows(out_dir / RESULTS_CSV) if (out_dir / RESULTS_CSV).exists() else []
+        rows = merge_rows(old, rows)
+        meta["merged_runs"] = old_meta.get("merged_runs", [old_meta.get("env")] if old_meta else []) + [env]
+    write_rows(rows, out_dir, meta)
+    make_report(rows, out_dir, args.readme)
+    print(f"perf: wrote {out_dir}/ ({len(rows)} rows, {len(skipped)} skipped by the time budget) in "
+          f"{runner.elapsed():.0f} s")
+    if skipped:
+        print(f"perf: {len(skipped)} case(s) skipped by the {spec.time_budget_s:.0f} s budget; rerun them with "
+              f"--seq-lens ... --merge (e.g. the longest T alone)")
+
+    status = 0
+    if args.compare_baseline and baseline_file.exists():
+        comparisons = gate.compare(rows, gate.load_baseline(baseline_file), spec.shape_key(), spec.regression_floor,
+                                   spec.spread_factor)
+        print(f"perf: comparing with {baseline_file}")
+        print(gate.format_comparison(comparisons))
+        if any(c.verdict == "regression" for c in comparisons):
+            status = EXIT_REGRESSION
+    if args.update_baseline:
+        path = gate.baseline_path(baseline_dir, device_slug, spec.name)
+        gate.write_baseline(path, rows, meta)
+        print(f"perf: wrote baseline {path}")
+    errors = [r for r in rows if r.status == ERROR]
+    if errors:
+        print(f"perf: {len(errors)} case(s) raised errors: " + "; ".join(f"{r.key}: {r.note}" for r in errors))
+        status = status or EXIT_CASE_ERROR
+    return status
+
+
+def cmd_report(args) -> int:
+    rows = read_rows(args.results)
+    paths = make_report(rows, args.results.parent, args.readme)
+    print(f"perf: wrote {', '.join(str(p) for p in paths)} and the PERF section of {args.readme}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    rows = read_rows(args.results)
+    meta = read_meta(args.results.parent)
+    if not meta:
+        raise ValueError(f"{args.results.parent} has no results.json (its meta names the spec the rows were run with)")
+    spec_dict = meta["spec"]
+    try:
+        baseline = gate.load_baseline(args.baseline)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from exc
+    comparisons = gate.compare(rows, baseline, meta["shape_key"], spec_dict["regression_floor"],
+                               spec_dict["spread_factor"])
+    print(gate.format_comparison(comparisons))
+    return EXIT_REGRESSION if any(c.verdict == "regression" for c in comparisons) else 0
+
+
+def cmd_floors(args) -> int:
+    """Predicted floors per stage (the two-numbers method of perf/NOTES.md). The selected-token count uses the
+    n most recent blocks, which every valid selection matches (n - 1 full blocks plus the partial current one)."""
+    spec = preset(args.preset)
+    cfg = spec.cfg
+    table = []
+    for T in args.seq_len:
+        J = torch.arange(T) // cfg.sel_block
+        slots = torch.arange(cfg.n_sel) - (cfg.n_sel - 1)
+        recent = (J[:, None] + slots[None, :]).clamp(min=-1)
+        recent = torch.where(recent >= 0, recent, torch.full_like(recent, -1))
+        indices = recent[None, :, None, :].expand(spec.batch, T, cfg.n_kv_heads, cfg.n_sel)
+        tokens = selected_token_count(indices, cfg.sel_block)
+        work = StageWork(T, cfg, spec.batch, spec.torch_dtype.itemsize, spec.phi_width)
+        for stage in (*NSA_STAGES, LAYER, "sdpa"):
+            w = work.sdpa() if stage == "sdpa" else work.stage(stage, tokens)
+            for pass_name in PASSES:
+                flops, nbytes = w.flops(pass_name), w.bytes(pass_name)
+                flop_ms = flops / (args.peak_tflops * 1e12) * 1e3
+                byte_ms = nbytes / (args.bandwidth_gbps * 1e9) * 1e3
+                table.append({"T": T, "stage": stage, "pass": pass_name, "GFLOP": flops / 1e9, "GB": nbytes / 1e9,
+                              "flop_floor_ms": flop_ms, "byte_floor_ms": byte_ms,
+                              "bound": "compute" if flop_ms >= byte_ms else "memory"})
+    print("| T | stage | pass | GFLOP | GB | FLOP floor ms | byte floor ms | bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['T']} | {r['stage']} | {r['pass']} | {r['GFLOP']:.1f} | {r['GB']:.3f} | {r['flop_floor_ms']:.3f} | "
+              f"{r['byte_floor_ms']:.3f} | {r['bound']} |")
+    return 0
+

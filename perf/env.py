@@ -1,0 +1,80 @@
+"""What machine and software a sweep ran on (recorded with every result file; read-only queries only)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import re
+import shutil
+import subprocess
+from typing import Any
+
+import torch
+
+NVIDIA_SMI_FIELDS = ("name", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem", "power.draw",
+                     "power.limit", "temperature.gpu", "driver_version", "pstate")
+
+
+def nvidia_smi(index: int) -> dict[str, str] | None:
+    """Clocks, power and driver of GPU `index` from `nvidia-smi --query-gpu` (None when it is absent)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, f"--id={index}", f"--query-gpu={','.join(NVIDIA_SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.strip()
+    except (subprocess.SubprocessError, OSError) as exc:
+        return {"error": str(exc)}
+    values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+    return dict(zip(NVIDIA_SMI_FIELDS, values))
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.machine()}"
+
+
+def slug(text: str) -> str:
+    """File-name-safe lower-case form of a device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git_commit(),
+        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        info["sm_count"] = props.multi_processor_count
+        info["total_memory_bytes"] = props.total_memory
+        info["capability"] = f"{props.major}.{props.minor}"
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["nvidia_smi"] = nvidia_smi(index)
+    return info

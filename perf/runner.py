@@ -1,0 +1,196 @@
+"""The sweep: ceilings, then every case in priority order, inside a wall-clock budget.
+
+Order: phase 1 times the whole layer (SDPA and every NSA variant, fwd and fwd_bwd) for every T, so the
+headline speedups are measured first; phase 2 times the NSA stages for every T. Before timing a case the
+runner warms it up and estimates its cost (last warm-up run * repeats * rounds); a case that would end past
+the budget is recorded as skipped with the estimate, and the sweep goes on with cheaper cases. Each case
+runs in its own memory accounting (peak stats reset, inputs built inside); an out-of-memory case is recorded
+as "oom" and any other exception as "error" (with its message), and the sweep continues.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .cases import WORKLOADS, Inputs, Prepared, build_nsa_case, build_sdpa_case
+from .ceilings import Ceilings, measure_ceilings
+from .flops import StageWork
+from .implementations import SDPA, NSAImplementation
+from .results import ERROR, OK, OOM, SKIPPED, Row
+from .spec import LAYER, BenchSpec
+from .timing import Samples, Timer, round_spread
+
+
+@dataclass
+class Plan:
+    """One case to run: its row identity and how to build it from the inputs of its T."""
+
+    seq_len: int
+    impl: str
+    stage: str
+    pass_name: str
+    build: Callable[[Inputs], Prepared]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+class Runner:
+    def __init__(self, spec: BenchSpec, device: torch.device, with_sdpa: bool, variants: list[NSAImplementation],
+                 log: Callable[[str], None] = print, workload: str = "single"):
+        if workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {workload!r}; known: {sorted(WORKLOADS)}")
+        self.spec, self.device, self.with_sdpa, self.variants = spec, device, with_sdpa, variants
+        self.log, self.workload = log, workload
+        self.is_cuda = device.type == "cuda"
+        if not self.is_cuda:
+            torch.set_num_threads(spec.cpu_threads)
+        self.timer = Timer(device, spec.flush_bytes)
+        self.ceilings: Ceilings | None = None
+        self.started = time.perf_counter()
+
+    # budget -----------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def remaining(self) -> float:
+        return self.spec.time_budget_s - self.elapsed()
+
+    # plan -------------------------------------------------------------------------------------------
+    def plan(self) -> list[Plan]:
+        spec = self.spec
+        plans: list[Plan] = []
+        for T in spec.seq_lens:
+            for pass_name in spec.passes:
+                if self.with_sdpa:
+                    plans.append(Plan(T, SDPA, LAYER, pass_name,
+                                      lambda inp, p=pass_name: build_sdpa_case(p, inp, spec, seed=11)))
+                for impl in self.variants:
+                    plans.append(Plan(T, impl.label, LAYER, pass_name,
+                                      lambda inp, i=impl, p=pass_name: build_nsa_case(i, LAYER, p, inp, spec, 11)))
+        for T in spec.seq_lens:
+            for impl in self.variants:
+                for stage in spec.stages:
+                    for pass_name in spec.passes:
+                        plans.append(Plan(T, impl.label, stage, pass_name,
+                                          lambda inp, i=impl, s=stage, p=pass_name:
+                                          build_nsa_case(i, s, p, inp, spec, 11)))
+        return plans
+
+    # run --------------------------------------------------------------------------------------------
+    def measure_ceilings(self) -> Ceilings:
+        spec = self.spec
+        self.ceilings = measure_ceilings(self.timer, spec.torch_dtype, spec.dtype, spec.matmul_size, spec.copy_bytes,
+                                         spec.repeats, spec.warmup)
+        c = self.ceilings
+        self.log(f"ceilings: matmul {c.matmul_size}^3 {c.dtype}: {c.matmul_tflops:.1f} TFLOP/s "
+                 f"({c.matmul_median_ms:.3f} ms); copy {c.copy_bytes / 2**20:.0f} MiB: {c.copy_gbps:.1f} GB/s")
+        return c
+
+    def run(self) -> list[Row]:
+        if self.ceilings is None:
+            self.measure_ceilings()
+        rows = []
+        for plan in self.plan():
+            row = self.run_case(plan)
+            rows.append(row)
+            self.log(_describe(row))
+        return rows
+
+    def _reset_memory(self) -> None:
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def run_case(self, plan: Plan) -> Row:
+        spec = self.spec
+        row = Row(seq_len=plan.seq_len, impl=plan.impl, stage=plan.stage, pass_name=plan.pass_name,
+                  status=SKIPPED, workload=self.workload)
+        if self.remaining() <= 0:
+            row.note = f"time budget of {spec.time_budget_s:.0f} s used up before this case"
+            return row
+        self._reset_memory()
+        if self.is_cuda:
+            row.start_mem_bytes = torch.cuda.memory_allocated(self.device)
+        prepared = None
+        try:
+            inputs = WORKLOADS[self.workload](spec, plan.seq_len, self.device, seed=plan.seq_len)
+            prepared = plan.build(inputs)
+            del inputs
+            row.note = prepared.note
+            row.selected_tokens = prepared.token_count
+            estimate = 0.0
+            for _ in range(max(1, spec.warmup)):
+                estimate = self.timer.wall_once(prepared.run)
+            cost = estimate * spec.repeats * spec.rounds
+            if cost > self.remaining():
+                row.note = (f"skipped: needs ~{cost:.0f} s ({spec.rounds} x {spec.repeats} runs of "
+                            f"{estimate * 1e3:.1f} ms), {max(0.0, self.remaining()):.0f} s of the "
+                            f"{spec.time_budget_s:.0f} s budget left")
+                row.status = SKIPPED
+            else:
+                rounds = [self.timer.measure(prepared.run, spec.repeats) for _ in range(spec.rounds)]
+                self._fill_timing(row, rounds)
+                row.status = OK
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded and the sweep goes on
+            if _is_oom(exc):
+                row.status = OOM
+                row.note = f"out of memory: {str(exc).splitlines()[0][:200]}"
+            else:
+                row.status = ERROR
+                row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                self.log(traceback.format_exc(limit=4))
+        finally:
+            prepared = None
+            if self.is_cuda:
+                row.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device)
+            self._reset_memory()
+        self._fill_work(row)
+        return row
+
+    def _fill_timing(self, row: Row, rounds: list[Samples]) -> None:
+        everything = Samples([t for r in rounds for t in r.times_ms])
+        row.median_ms = everything.median
+        row.min_ms = everything.minimum
+        row.p20_ms = everything.quantile(0.2)
+        row.p80_ms = everything.quantile(0.8)
+        medians = [r.median for r in rounds]
+        row.round_medians_ms = ";".join(f"{m:.6g}" for m in medians)
+        row.spread = round_spread(medians)
+        row.n_runs = len(everything.times_ms)
+
+    def _fill_work(self, row: Row) -> None:
+        spec, c = self.spec, self.ceilings
+        work_model = StageWork(row.seq_len, spec.cfg, spec.batch, spec.torch_dtype.itemsize, spec.phi_width)
+        work = work_model.sdpa() if row.impl == SDPA else work_model.stage(row.stage, row.selected_tokens)
+        if work is None:
+            return
+        row.flops = work.flops(row.pass_name)
+        row.bytes = work.bytes(row.pass_name)
+        if c is None:
+            return
+        row.flop_floor_ms = row.flops / (c.matmul_tflops * 1e12) * 1e3
+        row.byte_floor_ms = row.bytes / (c.copy_gbps * 1e9) * 1e3
+        row.floor_ms = max(row.flop_floor_ms, row.byte_floor_ms)
+        if row.status == OK and row.median_ms:
+            row.tflops = row.flops / (row.median_ms * 1e-3) / 1e12
+            row.frac_peak = row.tflops / c.matmul_tflops
+
+
+def _describe(row: Row) -> str:
+    head = f"T={row.seq_len:>6d} {row.impl:>10s} {row.stage:>8s} {row.pass_name:>7s}"
+    if row.status != OK:
+        return f"{head}  {row.status.upper()}: {row.note}"
+    spread = f"{100 * row.spread:.1f}%" if row.spread is not None else "-"
+    tf = f"{row.tflops:7.1f} TFLOP/s" if row.tflops is not None else ""
+    floor = f" floor {row.floor_ms:.3f} ms" if row.floor_ms is not None else ""
+    mem = f" peak {row.peak_mem_bytes / 2**30:.2f} GiB" if row.peak_mem_bytes else ""
+    return f"{head}  {row.median_ms:10.3f} ms (spread {spread}) {tf}{floor}{mem}"
