@@ -1,0 +1,246 @@
+"""NSADecodeCache: incremental NSA decoding with one cache per branch (docs/decode.md).
+
+Per batch row the cache holds
+- selection branch: every key/value so far (Eq. 12 may select any block), slot t = token t;
+- compression branch: the compressed tokens emitted so far (Eq. 7; block i is built once, by the call that
+  appends key i*d + l - 1) and a ring of the last l raw keys/values (what the next blocks still need);
+- window branch: a ring of the last W keys/values (W = keys in a full window: w, or w + 1 by switch).
+
+Rows may hold different numbers of tokens (`lengths`). Every call takes its new tokens right-padded: row b's
+first lengths[b] tokens are real, the rest padding. Padding tokens are never stored; their queries get
+o = o_cmp = o_slc = o_win = 0, indices -1 and 0 reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from reference.config import NSAConfig
+from reference.contract import BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
+
+from .. import compression, masks, scoring
+from ..forward import gated_sum, nsa_forward
+from ..masked_attention import CHUNK_ELEMENTS
+from ..selected import BACKENDS
+from . import branches, kernels
+from .buffers import TokenBuffer, history_write_slots, ring_slot_positions, ring_write_slots
+from .emission import complete_blocks, emit_compressed
+
+RowCounts = Tensor | Sequence[int] | None
+
+
+def window_capacity(cfg: NSAConfig) -> int:
+    """Keys in a full window, asked from the window seam: p - window_start(p) + 1 (w, or w + 1 by switch)."""
+    far = torch.tensor(1 << 40)
+    return int(far - masks.window_start(far, cfg)) + 1
+
+
+class NSADecodeCache:
+    """Per-branch KV cache for NSA decoding of `batch_size` rows of up to `capacity` tokens each.
+
+    prefill(q, kv, gates, lengths) runs the optimized prefill on a prompt and fills the cache; step(...) appends
+    one token per row; extend(...) appends a chunk of TQ tokens per row (its queries are the last TQ positions).
+    Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
+    each branch gathered. backend: "torch" (any device), "triton" (the decode kernels; CPU needs
+    TRITON_INTERPRET=1) or "auto" (kernels on CUDA).
+    """
+
+    def __init__(self, cfg: NSAConfig, batch_size: int, capacity: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", phi: PhiWeights | None = None, backend: str = "auto"):
+        if not isinstance(cfg, NSAConfig):
+            raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
+        for name, value in (("batch_size", batch_size), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"NSADecodeCache.{name} must be a positive int, got {value!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"NSADecodeCache.dtype must be a floating dtype, got {dtype}")
+        if backend not in BACKENDS:
+            raise ValueError(f"NSADecodeCache.backend must be one of {BACKENDS}, got {backend!r}")
+        compression._check_phi(cfg, phi, cfg.head_dim_qk, cfg.head_dim_v)
+        self.cfg, self.batch_size, self.capacity = cfg, batch_size, capacity
+        self.dtype, self.device, self.backend = dtype, torch.device(device), backend
+        self.phi = phi.to(dtype=dtype, device=self.device) if phi is not None else None
+        if backend == "triton":
+            kernels.check_available(self.device)
+        shape = dict(dtype=dtype, device=self.device)
+        B, H, dk, dv = batch_size, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
+        self.history = TokenBuffer.empty(B, H, capacity, dk, dv, **shape)  # selection branch
+        self.compressed = TokenBuffer.empty(B, H, masks.compressed_block_count(capacity, cfg), dk, dv, **shape)
+        self.cmp_raw = TokenBuffer.empty(B, H, cfg.cmp_block, dk, dv, **shape)  # ring, R = l >= l - 1
+        self.window = TokenBuffer.empty(B, H, window_capacity(cfg), dk, dv, **shape)  # ring
+        self.device_lengths = torch.zeros(B, dtype=torch.int64, device=self.device)
+        self._lengths = torch.zeros(B, dtype=torch.int64)
+
+    # State --------------------------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> Tensor:
+        """Tokens stored per row (int64 [B], a CPU copy)."""
+        return self._lengths.clone()
+
+    def reset(self) -> None:
+        """Forget every row (buffers are overwritten as rows grow again)."""
+        self.device_lengths.zero_()
+        self._lengths.zero_()
+
+    @property
+    def use_kernels(self) -> bool:
+        return self.backend == "triton" or (self.backend == "auto" and self.device.type == "cuda")
+
+    # Filling from a prompt -----------------------------------------------------------------------------------
+    def fill(self, kv: BranchKV, lengths: RowCounts = None) -> None:
+        """Store a prompt's keys/values kv (each branch [B, T, Hkv, D], rows right-padded to T; lengths [B] real
+        tokens per row, default T) in an empty cache, compressing its complete blocks (Eq. 7)."""
+        if int(self._lengths.max()) > 0:
+            raise ValueError("NSADecodeCache.fill/prefill need an empty cache (call reset() first)")
+        self._check_kv("kv", kv, None)
+        T = kv.win.k.shape[1]
+        if T > self.capacity:
+            raise ValueError(f"prompt length {T} exceeds NSADecodeCache.capacity = {self.capacity}")
+        counts = self._row_counts("lengths", lengths, T)
+        device_counts = counts.to(self.device)
+        cfg = self.cfg
+        self.history.k[:, :, :T] = kv.slc.k.transpose(1, 2)
+        self.history.v[:, :, :T] = kv.slc.v.transpose(1, 2)
+        n_blocks = masks.compressed_block_count(T, cfg)
+        per_chunk = max(1, CHUNK_ELEMENTS // (self.batch_size * cfg.n_kv_heads * cfg.cmp_block
+                                              * max(cfg.head_dim_qk, cfg.head_dim_v)))
+        for i0 in range(0, n_blocks, per_chunk):
+            i1 = min(n_blocks, i0 + per_chunk)
+            keys = slice(i0 * cfg.cmp_stride, (i1 - 1) * cfg.cmp_stride + cfg.cmp_block)  # blocks i0..i1-1
+            k_cmp, v_cmp = compression.compress(kv.cmp.k[:, keys], kv.cmp.v[:, keys], cfg, self.phi)
+            self.compressed.k[:, :, i0:i1] = k_cmp.transpose(1, 2)
+            self.compressed.v[:, :, i0:i1] = v_cmp.transpose(1, 2)
+        self.cmp_raw.fill_from(ring_slot_positions(device_counts, self.cmp_raw.slots), kv.cmp.k, kv.cmp.v)
+        self.window.fill_from(ring_slot_positions(device_counts, self.window.slots), kv.win.k, kv.win.v)
+        self.device_lengths.copy_(device_counts)
+        self._lengths.copy_(counts)
+
+    def prefill(self, q: Tensor, kv: BranchKV, gates: Tensor, lengths: RowCounts = None, *,
+                chunk_size: int | None = None) -> NSAOutput:
+        """NSA prefill of a prompt (optimized.nsa_forward) and fill(): outputs for positions 0..T-1, zero for
+        padding positions (a right-padded row's real positions never see its padding: attention is causal)."""
+        check_inputs(q, kv, gates, self.cfg)
+        self._check_kv("kv", kv, q.shape[1])
+        T = q.shape[1]
+        counts = self._row_counts("lengths", lengths, T)
+        if T > self.capacity:
+            raise ValueError(f"prompt length {T} exceeds NSADecodeCache.capacity = {self.capacity}")
+        if int(self._lengths.max()) > 0:
+            raise ValueError("NSADecodeCache.fill/prefill need an empty cache (call reset() first)")
+        out = nsa_forward(q, kv, gates, self.cfg, self.phi, backend=self.backend, chunk_size=chunk_size)
+        self.fill(kv, counts)
+        real = torch.arange(T)[None, :] < counts[:, None]
+        return _zero_padding(out, real.to(self.device))
+
+    # Appending ------------------------------------------------------------------------------------------------
+    def extend(self, q: Tensor, kv: BranchKV, gates: Tensor, lengths: RowCounts = None) -> NSAOutput:
+        """Append a chunk: q [B, TQ, Hq, dk], kv (new keys/values of each branch [B, TQ, Hkv, D]), gates
+        [B, TQ, Hq, 3]; lengths [B] real new tokens per row (default TQ). Query i of row b sits at position
+        cache.lengths[b] + i and sees the cached keys and the chunk's keys up to itself."""
+        check_inputs(q, kv, gates, self.cfg)
+        self._check_kv("kv", kv, q.shape[1])
+        TQ = q.shape[1]
+        if TQ == 0:
+            raise ValueError("q must hold at least one new query (TQ >= 1)")
+        counts = self._row_counts("lengths", lengths, TQ)
+        after = self._lengths + counts
+        if int(after.max()) > self.capacity:
+            raise ValueError(f"appending {counts.tolist()} tokens to rows holding {self._lengths.tolist()} exceeds "
+                             f"NSADecodeCache.capacity = {self.capacity}")
+        out = self.advance(q, kv, gates, counts.to(self.device), max(1, int(after.max())))
+        self._lengths.copy_(after)
+        return out
+
+    def step(self, q: Tensor, kv: BranchKV, gates: Tensor, lengths: RowCounts = None) -> NSAOutput:
+        """Append one token per row (q [B, 1, Hq, dk]); lengths [B] in {0, 1} leaves rows with 0 unchanged."""
+        if q.dim() != 4 or q.shape[1] != 1:
+            raise ValueError(f"step needs q [B, 1, Hq, dk] (one new token per row), got {tuple(q.shape)}; "
+                             "use extend for chunks")
+        return self.extend(q, kv, gates, lengths)
+
+    def advance(self, q: Tensor, kv: BranchKV, gates: Tensor, n_new: Tensor, bound: int) -> NSAOutput:
+        """The decode call on validated inputs, without host synchronisation (a CUDA graph can capture it):
+        n_new [B] int64 on the cache's device; bound = a static upper bound on every row's length after the call
+        (it sizes the compressed-token and selection-block ranges the call scans). Updates device_lengths only."""
+        cfg = self.cfg
+        TQ = q.shape[1]
+        L = self.device_lengths
+        positions, real = branches.query_positions(L, n_new, TQ)
+        # Eq. 7: blocks completed by the new keys, compressed before the raw ring moves on.
+        emit_compressed(self.compressed, self.cmp_raw, L, n_new, kv.cmp.k, kv.cmp.v, cfg, self.phi)
+        self.cmp_raw.write(ring_write_slots(positions, real, self.cmp_raw.slots, self.cmp_raw.trash),
+                           kv.cmp.k, kv.cmp.v)
+        self.history.write(history_write_slots(positions, real, self.history.trash), kv.slc.k, kv.slc.v)
+        window_slots = ring_write_slots(positions, real, self.window.slots, self.window.trash)
+        if TQ == 1:  # the new key replaces the one leaving the window
+            self.window.write(window_slots, kv.win.k, kv.win.v)
+            win_keys, win_positions = branches.window_keys_after_write(self.window, L + n_new)
+        else:  # the chunk's first queries still need the keys its last tokens replace
+            win_keys, win_positions = branches.window_keys_with_chunk(self.window, L, n_new, kv.win.k, kv.win.v)
+            self.window.write(window_slots, kv.win.k, kv.win.v)
+
+        use_kernels = self.use_kernels
+        visible = branches.compressed_visible(positions, complete_blocks(L + n_new, cfg),
+                                              masks.compressed_block_count(bound, cfg), cfg)
+        cmp, logits = branches.compressed_branch(q, self.compressed, visible, use_kernels)
+        indices = branches.select(logits, visible, positions, scoring.sel_block_count(bound, cfg), cfg)
+        slc = branches.selected_branch(q, self.history, indices, positions, cfg,
+                                       use_kernels and kernels.selected_rule_is_kernel_rule())
+        win = branches.window_branch(q, win_keys, win_positions, positions, cfg, use_kernels)
+        L.add_(n_new)
+        o = gated_sum(gates, cmp.o, slc.o, win.o)
+        return NSAOutput(o=torch.where(real[:, :, None, None], o, torch.zeros_like(o)), indices=indices,
+                         o_cmp=cmp.o, o_slc=slc.o, o_win=win.o, reads=Reads(cmp=cmp.reads, slc=slc.reads,
+                                                                                win=win.reads))
+
+    # Validation -----------------------------------------------------------------------------------------------
+    def _check_kv(self, name: str, kv: BranchKV, length: int | None) -> None:
+        for branch in ("cmp", "slc", "win"):
+            for part, t, dim in (("k", kv.branch(branch).k, self.cfg.head_dim_qk),
+                                 ("v", kv.branch(branch).v, self.cfg.head_dim_v)):
+                where = f"{name}.{branch}.{part}"
+                if not isinstance(t, Tensor) or t.dim() != 4:
+                    raise ValueError(f"{where} must be a 4-dim tensor [B, T, Hkv, D]")
+                if t.shape[0] != self.batch_size or t.shape[2] != self.cfg.n_kv_heads or t.shape[3] != dim:
+                    raise ValueError(f"{where} must be [B={self.batch_size}, T, Hkv={self.cfg.n_kv_heads}, {dim}], "
+                                     f"got {tuple(t.shape)}")
+                if length is not None and t.shape[1] != length:
+                    raise ValueError(f"{where} holds {t.shape[1]} tokens but q holds {length}")
+                if t.shape[1] != kv.win.k.shape[1]:
+                    raise ValueError(f"{where} holds {t.shape[1]} tokens, kv.win.k {kv.win.k.shape[1]}")
+                if t.dtype != self.dtype or t.device != self.device:
+                    raise ValueError(f"{where} is {t.dtype} on {t.device}; the cache is {self.dtype} on {self.device}")
+
+    def _row_counts(self, name: str, counts: RowCounts, limit: int) -> Tensor:
+        """A CPU int64 [B] tensor of per-row token counts in 0..limit (default: limit for every row)."""
+        if counts is None:
+            return torch.full((self.batch_size,), limit, dtype=torch.int64)
+        values = torch.as_tensor(counts).detach().cpu()
+        if values.dtype.is_floating_point or values.dtype == torch.bool or values.shape != (self.batch_size,):
+            raise ValueError(f"{name} must hold one integer per batch row ({self.batch_size}), got "
+                             f"{values.dtype} of shape {tuple(values.shape)}")
+        values = values.to(torch.int64)
+        if bool((values < 0).any()) or bool((values > limit).any()):
+            raise ValueError(f"{name} must be in 0..{limit} (tokens per row of a right-padded batch), "
+                             f"got {values.tolist()}")
+        return values
+
+
+def _zero_padding(out: NSAOutput, real: Tensor) -> NSAOutput:
+    """Outputs of padding positions (real [B, T] False) set to 0, their indices to -1 and reads to 0."""
+    r4 = real[:, :, None, None]
+
+    def zero(t: Tensor) -> Tensor:
+        return torch.where(r4, t, torch.zeros_like(t))
+
+    r3 = real[:, :, None]
+    return NSAOutput(o=zero(out.o), indices=torch.where(r4, out.indices, torch.full_like(out.indices, -1)),
+                     o_cmp=zero(out.o_cmp), o_slc=zero(out.o_slc), o_win=zero(out.o_win),
+                     reads=Reads(*(torch.where(r3, r, torch.zeros_like(r)) for r in
+                                   (out.reads.cmp, out.reads.slc, out.reads.win))))
+
+
+__all__ = ["NSADecodeCache", "window_capacity"]
