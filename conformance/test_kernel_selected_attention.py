@@ -12,13 +12,15 @@ import math
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from conformance.helpers import error_ratio, rel_error
 from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels import selected_attention_bwd as bwd_module
-from optimized.kernels.selected_attention_fwd import selected_attention_forward
+from optimized.kernels.selected_attention_fwd import logsumexp, selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
+from optimized.kernels.tiling import Tiling, launch_with_fallback
 from reference.branches import selected_attention_rows
 from reference.config import NSAConfig
 
@@ -80,18 +82,38 @@ def no_visible_key(case: Case, idx: torch.Tensor) -> torch.Tensor:
     return ~((blocks >= 0) & (blocks * case.sel_block <= positions)).any(-1)
 
 
+def selected_logits_oracle(case: Case, q, k, idx) -> torch.Tensor:
+    """[B, TQ, Hq, TK] float64 scaled logits of visible keys (-inf elsewhere), by a loop over index sets."""
+    B, TQ = q.shape[:2]
+    out = torch.full((B, TQ, case.n_heads, case.tk), float("-inf"), dtype=torch.float64)
+    qd, kd = q.double().cpu(), k.double().cpu()
+    for b in range(B):
+        for t in range(TQ):
+            p = case.tk - case.tq + t
+            for h in range(case.n_heads):
+                g = h // case.group
+                for j in idx[b, t, g].tolist():
+                    for s in range(max(j, 0) * case.sel_block, (j + 1) * case.sel_block):
+                        if j >= 0 and s <= p:
+                            out[b, t, h, s] = (qd[b, t, h] @ kd[b, s, g]) / math.sqrt(case.dk)
+    return out
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_matches_naive_and_float64_reference(name: str, poisoned_empty: None) -> None:
     case = CASES[name]
     q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=11)
     idx = perturbed_indices(case, seed=len(name)).to(DEVICE)
-    o, lse = selected_attention_forward(q, k, v, idx, case.sel_block, 1.0 / math.sqrt(case.dk))
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, 1.0 / math.sqrt(case.dk))
+    assert not torch.isnan(stats).any(), "softmax stats have unwritten (NaN) elements"
+    lse = logsumexp(stats)
 
     assert torch.isfinite(o).all(), "o has unwritten (NaN) or non-finite elements"
     empty = no_visible_key(case, idx).repeat_interleave(case.group, dim=2)
-    assert not torch.isnan(lse).any(), "lse has unwritten (NaN) elements"
-    assert torch.equal(torch.isinf(lse), empty), "lse must be -inf exactly for queries with no visible key"
+    assert torch.equal(lse == float("-inf"), empty), "lse must be -inf exactly for queries with no visible key"
     assert (o[empty] == 0).all(), "a query with no visible key must output 0"
+    logits = selected_logits_oracle(case, q, k, idx)
+    assert rel_error(lse[~empty], torch.logsumexp(logits, -1)[~empty]) < 1e-6
 
     oracle = loop_reference(case, q.double(), k.double(), v.double(), idx)
     ref_fp32 = loop_reference(case, q, k, v, idx)
@@ -133,9 +155,9 @@ def test_backward_split_blocks_match_whole_blocks(poisoned_empty: None) -> None:
     q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=2)
     idx = perturbed_indices(case, seed=4).to(DEVICE)
     scale = 1.0 / math.sqrt(case.dk)
-    o, lse = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
     do = torch.randn_like(o)
-    split = bwd_module.selected_attention_backward(q, k, v, idx, o, lse, do, case.sel_block, scale,
+    split = bwd_module.selected_attention_backward(q, k, v, idx, o, stats, do, case.sel_block, scale,
                                                    queries_per_item=3)
     leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
     exact = torch.autograd.grad(selected_attention_naive(*leaves, idx, case.sel_block), leaves, do.double())
@@ -150,9 +172,9 @@ def test_backward_is_bitwise_deterministic() -> None:
     q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=3)
     idx = random_indices(case, seed=8).to(DEVICE)
     scale = 1.0 / math.sqrt(case.dk)
-    o, lse = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
     do = torch.randn_like(o)
-    runs = [bwd_module.selected_attention_backward(q, k, v, idx, o, lse, do, case.sel_block, scale,
+    runs = [bwd_module.selected_attention_backward(q, k, v, idx, o, stats, do, case.sel_block, scale,
                                                    queries_per_item=4) for _ in range(2)]
     for label, a, b in zip(("dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), f"{label} differs between two identical runs"
@@ -249,3 +271,24 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyP
     q, k, v = random_qkv(case, dtype=torch.float32, device="cpu", seed=0)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         triton_selected_attention(q, k, v, random_indices(case, seed=0), case.sel_block)
+
+
+def test_launch_fallback_shrinks_tiles_on_out_of_resources() -> None:
+    """A tiling the GPU cannot hold (Triton's OutOfResources at compile time) is retried with fewer stages,
+    then narrower key tiles; other errors propagate."""
+    tried: list[Tiling] = []
+
+    def launch(tiling: Tiling) -> str:
+        tried.append(tiling)
+        if tiling.num_stages > 1 or tiling.block_n > 16:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return "ran"
+
+    assert launch_with_fallback(launch, Tiling(block_n=64, num_warps=4, num_stages=3)) == "ran"
+    assert [(t.block_n, t.num_stages) for t in tried] == [(64, 3), (64, 2), (64, 1), (32, 1), (16, 1)]
+
+    def broken(tiling: Tiling) -> None:
+        raise RuntimeError("not a resource problem")
+
+    with pytest.raises(RuntimeError, match="not a resource"):
+        launch_with_fallback(broken, Tiling(block_n=64, num_warps=4, num_stages=3))

@@ -24,15 +24,15 @@ class SelectedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float) -> Tensor:
-        o, lse = selected_attention_forward(q, k, v, indices, sel_block, scale)
-        ctx.save_for_backward(q, k, v, indices, o, lse)
+        o, stats = selected_attention_forward(q, k, v, indices, sel_block, scale)
+        ctx.save_for_backward(q, k, v, indices, o, stats)
         ctx.sel_block, ctx.scale = sel_block, scale
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        q, k, v, indices, o, lse = ctx.saved_tensors
-        dq, dk, dv = selected_attention_backward(q, k, v, indices, o, lse, do, ctx.sel_block, ctx.scale)
+        q, k, v, indices, o, stats = ctx.saved_tensors
+        dq, dk, dv = selected_attention_backward(q, k, v, indices, o, stats, do, ctx.sel_block, ctx.scale)
         return dq, dk, dv, None, None, None
 
 

@@ -1,6 +1,6 @@
 """Backward Triton kernels of the selected-attention branch (Eq. 12): dq, dk, dv, deterministic (no atomics).
 
-FlashAttention-2 math with the forward's log-sum-exp: P = exp(S - lse), dV = P^T dO, dP = dO V^T,
+FlashAttention-2 math with the forward's softmax stats (m, 1/l): P = 2^(S log2(e) - m) / l, dV = P^T dO, dP = dO V^T,
 D = rowsum(dO * O), dS = P * (dP - D), dQ = scale * dS K, dK = scale * dS^T Q.
 
 - dq: query-centric like the forward, grid (t, g, b): one program per query row and KV group walks the
@@ -14,6 +14,7 @@ D = rowsum(dO * O), dS = P * (dP - D), dQ = scale * dS K, dK = scale * dS^T Q.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import triton
@@ -22,17 +23,17 @@ from torch import Tensor
 
 from .selected_attention_fwd import LOG2E, dot_settings
 from .selected_attention_index import build_inverted_index
-from .tiling import Tiling, backward_tiling, padded
+from .tiling import Tiling, backward_tiling, key_tile_rows, launch_with_fallback, padded
 
 
 @triton.jit
 def _selected_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, IDX, DQ,
+    Q, K, V, DO, STATS, DELTA, IDX, DQ,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
-    stride_lb, stride_lt,
+    stride_sb, stride_st, stride_db, stride_dt,
     stride_ib, stride_it, stride_ih, stride_in,
     stride_dqb, stride_dqt, stride_dqh,
     n_sel, q_offset, scale, scale_log2,
@@ -58,9 +59,10 @@ def _selected_attention_bwd_dq_kernel(
                 mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
     do = tl.load(DO + b * stride_dob + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
                  mask=head_mask[:, None] & dv_mask[None, :], other=0.0)
-    # Padding heads: q = dO = 0, lse = D = 0, so their P = 1 but dS = 1 * (0 - 0) = 0.
-    lse2 = tl.load(LSE + b * stride_lb + t * stride_lt + heads, mask=head_mask, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + b * stride_lb + t * stride_lt + heads, mask=head_mask, other=0.0)
+    # Padding heads: q = dO = 0, m = 1/l = D = 0, so P = 0 and dS = 0.
+    m2 = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2, mask=head_mask, other=0.0)
+    inv_l = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2 + 1, mask=head_mask, other=0.0)
+    delta = tl.load(DELTA + b * stride_db + t * stride_dt + heads, mask=head_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -89,7 +91,7 @@ def _selected_attention_bwd_dq_kernel(
         else:
             s = tl.dot(q, kT)
             dp = tl.dot(do, vT)
-        probs = tl.where(key_mask[None, :], tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        probs = tl.where(key_mask[None, :], tl.exp2(s * scale_log2 - m2[:, None]) * inv_l[:, None], 0.0)
         ds = probs * (dp - delta[:, None])
         if DOT_FP32:
             dq += tl.dot(ds, tl.trans(kT), input_precision=INPUT_PRECISION)
@@ -103,13 +105,13 @@ def _selected_attention_bwd_dq_kernel(
 
 @triton.jit
 def _selected_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, DK_WS, DV_WS,
+    Q, K, V, DO, STATS, DELTA, DK_OUT, DV_OUT, DK_WS, DV_WS,
     QUERY_ROWS, ITEM_KEY, ITEM_BEGIN, ITEM_END, ITEM_SLOT,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
-    stride_lb, stride_lt,
+    stride_sb, stride_st, stride_db, stride_dt,
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
     n_kv_heads, n_blocks, n_keys_total, q_offset, scale, scale_log2,
@@ -156,8 +158,9 @@ def _selected_attention_bwd_dkdv_kernel(
                      mask=head_mask[None, :] & dk_mask[:, None], other=0.0)
         do = tl.load(DO + b * stride_dob + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
                      mask=head_mask[:, None] & dv_mask[None, :], other=0.0)
-        lse2 = tl.load(LSE + b * stride_lb + t * stride_lt + heads, mask=head_mask, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + b * stride_lb + t * stride_lt + heads, mask=head_mask, other=0.0)
+        m2 = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2, mask=head_mask, other=0.0)
+        inv_l = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2 + 1, mask=head_mask, other=0.0)
+        delta = tl.load(DELTA + b * stride_db + t * stride_dt + heads, mask=head_mask, other=0.0)
         visible = key_mask & (pos <= p)  # Eq. 12 clip for this query
         if DOT_FP32:
             qT = qT.to(tl.float32)
@@ -165,7 +168,7 @@ def _selected_attention_bwd_dkdv_kernel(
             sT = tl.dot(k, qT, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_H]
         else:
             sT = tl.dot(k, qT)
-        pT = tl.where(visible[:, None], tl.exp2(sT * scale_log2 - lse2[None, :]), 0.0)
+        pT = tl.where(visible[:, None], tl.exp2(sT * scale_log2 - m2[None, :]) * inv_l[None, :], 0.0)
         if DOT_FP32:
             dv += tl.dot(pT, do, input_precision=INPUT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -229,11 +232,13 @@ def _slot_reduce_kernel(
              dv.to(DV_OUT.dtype.element_ty), mask=dv_mask & out_rows)
 
 
-def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, lse: Tensor,
+def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, stats: Tensor,
                                 do: Tensor, sel_block: int, scale: float, tiling: Tiling | None = None,
                                 queries_per_item: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv for validated inputs (last dims contiguous) and the forward's o, lse.
+    """dq, dk, dv for validated inputs (last dims contiguous) and the forward's o, stats (m, 1/l).
 
+    tiling: launch settings of the dq and dk/dv kernels, used as given (the GPU benchmark sweeps it); default:
+    tiling.backward_tiling's heuristic, shrunk by launch_with_fallback if the GPU lacks the resources.
     queries_per_item: most queries one dk/dv program walks before its block is split over workspace slots
     (default: selected_attention_index.default_queries_per_item); tests set it small to cover the split path.
     """
@@ -248,30 +253,30 @@ def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor
         return dq, dk, dv
     if do.stride(-1) != 1:
         do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)  # D = rowsum(dO * O), [B, TQ, Hq] like lse
-    if delta.stride() != lse.stride():
-        delta = delta.contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # D = rowsum(dO * O), [B, TQ, Hq]
 
     block_h, block_dk, block_dv = padded(group), padded(dk_dim), padded(dv_dim)
-    tiling = tiling or backward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype)
-    tiles = math.ceil(sel_block / tiling.block_n)
     dot_fp32, precision = dot_settings(q.dtype)
-    common = dict(GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h,
-                  BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
-                  DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
-                  num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    shapes = dict(GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h,
+                  BLOCK_DK=block_dk, BLOCK_DV=block_dv, DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
 
-    _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](
-        q, k, v, do, lse, delta, indices, dq,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        lse.stride(0), lse.stride(1),
-        indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        n_sel, TK - TQ, scale, scale * LOG2E, TILES_PER_BLOCK=tiles, **common,
-    )
+    def launch_dq(tiling: Tiling) -> None:
+        _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](
+            q, k, v, do, stats, delta, indices, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            do.stride(0), do.stride(1), do.stride(2),
+            stats.stride(0), stats.stride(1), delta.stride(0), delta.stride(1),
+            indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            n_sel, TK - TQ, scale, scale * LOG2E, BLOCK_N=tiling.block_n,
+            TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), **shapes,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        )
+
+    heuristic = backward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype)
+    run(launch_dq, tiling, heuristic)
 
     index = build_inverted_index(indices, TK, sel_block, queries_per_item)
     if index.n_items == 0:
@@ -279,25 +284,39 @@ def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor
     n_slots = index.n_slots
     dk_ws = torch.empty((max(n_slots, 1), sel_block, dk_dim), device=q.device, dtype=torch.float32)
     dv_ws = torch.empty((max(n_slots, 1), sel_block, dv_dim), device=q.device, dtype=torch.float32)
-    _selected_attention_bwd_dkdv_kernel[(index.n_items, tiles)](
-        q, k, v, do, lse, delta, dk, dv, dk_ws, dv_ws,
-        index.query_rows, index.item_key, index.item_begin, index.item_end, index.item_slot,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        lse.stride(0), lse.stride(1),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        Hkv, index.n_blocks, TK, TK - TQ, scale, scale * LOG2E, **common,
-    )
+
+    def launch_dkdv(tiling: Tiling) -> None:
+        _selected_attention_bwd_dkdv_kernel[(index.n_items, math.ceil(sel_block / tiling.block_n))](
+            q, k, v, do, stats, delta, dk, dv, dk_ws, dv_ws,
+            index.query_rows, index.item_key, index.item_begin, index.item_end, index.item_slot,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            do.stride(0), do.stride(1), do.stride(2),
+            stats.stride(0), stats.stride(1), delta.stride(0), delta.stride(1),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            Hkv, index.n_blocks, TK, TK - TQ, scale, scale * LOG2E, BLOCK_N=tiling.block_n, **shapes,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        )
+
+    run(launch_dkdv, tiling, heuristic)
     if n_slots:
-        _slot_reduce_kernel[(index.split_key.numel(), tiles)](
+        rows = key_tile_rows(sel_block, 32)
+        _slot_reduce_kernel[(index.split_key.numel(), math.ceil(sel_block / rows))](
             dk_ws, dv_ws, dk, dv, index.split_key, index.slot_begin, index.slot_end,
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
             Hkv, index.n_blocks, TK,
-            DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-            BLOCK_N=tiling.block_n, num_warps=tiling.num_warps,
+            DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=rows,
+            num_warps=4,
         )
     return dq, dk, dv
+
+
+def run(launch: Callable[[Tiling], None], tiling: Tiling | None, heuristic: Tiling) -> None:
+    """An explicit tiling is launched as given; the heuristic one may shrink (launch_with_fallback)."""
+    if tiling is None:
+        launch_with_fallback(launch, heuristic)
+    else:
+        launch(tiling)

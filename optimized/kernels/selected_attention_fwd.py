@@ -3,10 +3,12 @@
 Grid (query row t, KV group g, batch b). Each program loads the queries of all heads of group g at row t as one
 [BLOCK_H, BLOCK_DK] tile ("group-centric data loading"), then walks the selected blocks I_t of (t, g) in key
 tiles of BLOCK_N rows ("shared KV fetching": one K/V load serves every head of the group), with an online
-softmax in fp32 (base 2). It writes o [B, TQ, Hq, dv] and the natural-log log-sum-exp [B, TQ, Hq] (fp32) that
-the backward kernels use to rebuild the probabilities. The query row t sits at absolute position
-p = q_offset + t; keys after p are masked (the current block is partial). An empty key set gives o = 0 and
-lse = -inf.
+softmax in fp32 (base 2). It writes o [B, TQ, Hq, dv] and the softmax statistics the backward kernels use to
+rebuild the probabilities: stats [B, TQ, Hq, 2] fp32 = (m, 1/l), m the row max of the base-2 logits
+s * scale * log2(e), l = sum 2^(s * scale * log2(e) - m), so P = 2^(s * scale * log2(e) - m) / l exactly as
+the forward formed it (one rounding fewer than exp(s * scale - lse); logsumexp() gives lse). The query row t
+sits at absolute position p = q_offset + t; keys after p are masked (the current block is partial). An empty
+key set gives o = 0 and 1/l = 0 (lse = -inf).
 """
 
 from __future__ import annotations
@@ -18,20 +20,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiling import Tiling, forward_tiling, interpreting, padded
+from .tiling import Tiling, forward_tiling, interpreting, launch_with_fallback, padded
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @triton.jit
 def _selected_attention_fwd_kernel(
-    Q, K, V, IDX, O, LSE,
+    Q, K, V, IDX, O, STATS,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ib, stride_it, stride_ih, stride_in,
     stride_ob, stride_ot, stride_oh,
-    stride_lb, stride_lt,
+    stride_sb, stride_st,
     n_sel, q_offset, scale_log2,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -100,8 +103,16 @@ def _selected_attention_fwd_kernel(
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     tl.store(O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
              out.to(O.dtype.element_ty), mask=head_mask[:, None] & dv_mask[None, :])
-    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + b * stride_lb + t * stride_lt + heads, lse, mask=head_mask)
+    stats_ptr = STATS + b * stride_sb + t * stride_st + heads * 2
+    tl.store(stats_ptr, tl.where(has_key, m_i, 0.0), mask=head_mask)  # empty row: m = 0, 1/l = 0 -> P = 0
+    tl.store(stats_ptr + 1, tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0), mask=head_mask)
+
+
+def logsumexp(stats: Tensor) -> Tensor:
+    """Natural-log log-sum-exp [B, TQ, Hq] of the scaled logits from the forward's stats (-inf: no key)."""
+    m, inv_l = stats.unbind(-1)
+    has_key = inv_l > 0
+    return torch.where(has_key, (m - torch.log2(torch.where(has_key, inv_l, 1.0))) * LN2, float("-inf"))
 
 
 def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
@@ -113,33 +124,40 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
 
 def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
                                tiling: Tiling | None = None) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel on validated inputs (last dim contiguous). Returns (o, lse [B, TQ, Hq] fp32).
+    """Launch the forward kernel on validated inputs (last dim contiguous). Returns (o, stats [B, TQ, Hq, 2] fp32).
 
-    tiling: launch settings (default: tiling.forward_tiling's heuristic); the GPU benchmark sweeps it.
+    tiling: launch settings, used as given (the GPU benchmark sweeps it); default: tiling.forward_tiling's
+    heuristic, shrunk by launch_with_fallback if the GPU lacks the resources it needs.
     """
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = Hq // Hkv
     n_sel = indices.shape[-1]
     o = torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, TQ, Hq), device=q.device, dtype=torch.float32)
+    stats = torch.empty((B, TQ, Hq, 2), device=q.device, dtype=torch.float32)
     if B * TQ * Hq == 0:
-        return o, lse
+        return o, stats
     block_h, block_dk, block_dv = padded(group), padded(dk), padded(dv)
-    tiling = tiling or forward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype)
     dot_fp32, precision = dot_settings(q.dtype)
-    _selected_attention_fwd_kernel[(TQ, Hkv, B)](
-        q, k, v, indices, o, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        n_sel, TK - TQ, scale * LOG2E,
-        GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block,
-        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
-        TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-    )
-    return o, lse
+
+    def launch(tiling: Tiling) -> None:
+        _selected_attention_fwd_kernel[(TQ, Hkv, B)](
+            q, k, v, indices, o, stats,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
+            o.stride(0), o.stride(1), o.stride(2),
+            stats.stride(0), stats.stride(1),
+            n_sel, TK - TQ, scale * LOG2E,
+            GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block,
+            BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
+            TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        )
+
+    if tiling is None:
+        launch_with_fallback(launch, forward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype))
+    else:
+        launch(tiling)
+    return o, stats

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 MAX_GROUP = 64  # query heads per KV group the kernels accept (the [h, d_k] tile must fit in registers)
 MAX_HEAD_DIM = 256  # largest d_k / d_v
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory a forward program may plan for (H100: 227 KiB per SM)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,27 @@ def backward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, 
     block_n = key_tile_rows(sel_block, cap)
     warps = 8 if block_h * max(block_dk, block_dv) >= 64 * 128 or block_n * max(block_dk, block_dv) >= 64 * 128 else 4
     return Tiling(block_n=block_n, num_warps=warps, num_stages=2 if elem == 2 else 1)
+
+
+def smaller_tilings(tiling: Tiling) -> list[Tiling]:
+    """The given tiling, then ones with fewer pipeline stages, then narrower key tiles (down to 16 rows)."""
+    out = [tiling]
+    for stages in range(tiling.num_stages - 1, 0, -1):
+        out.append(Tiling(tiling.block_n, tiling.num_warps, stages))
+    block_n = tiling.block_n // 2
+    while block_n >= MIN_DOT:
+        out.append(Tiling(block_n, tiling.num_warps, 1))
+        block_n //= 2
+    return out
+
+
+def launch_with_fallback(launch: Callable[[Tiling], T], tiling: Tiling) -> T:
+    """launch(tiling); if Triton reports the program needs more shared memory or registers than the GPU has
+    (OutOfResources, raised when the kernel is compiled), retry with smaller_tilings(tiling) in order."""
+    candidates = smaller_tilings(tiling)
+    for candidate in candidates[:-1]:
+        try:
+            return launch(candidate)
+        except OutOfResources:
+            continue
+    return launch(candidates[-1])

@@ -1,0 +1,286 @@
+"""GPU run of the Triton selected-attention kernels (skipped without CUDA): parity, T = 65536, timings.
+
+Run (H100):  python -m pytest conformance/test_kernel_selected_attention_gpu.py -m gpu -q
+Results go to $OUT/selected_attention_kernel_gpu.json and .md when OUT is set (tables are printed either way).
+
+Parity rule (FlashAttention's, helpers.error_ratio): max |kernel - float64 naive| <= 2 x max |naive run in the
+same dtype - float64 naive| + 1e-6, on sampled query rows. dq of a row depends only on that row's dO, so the
+sampled dq is exact; dk/dv are checked with a second backward whose dO is zero outside the sampled rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conformance.helpers import error_ratio, rel_error
+from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
+from optimized.kernels import selected_attention_naive, triton_selected_attention
+from optimized.kernels.selected_attention_bwd import selected_attention_backward
+from optimized.kernels.selected_attention_fwd import selected_attention_forward
+from optimized.kernels.selected_attention_index import build_inverted_index
+from optimized.kernels.tiling import Tiling
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEVICE = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PARITY_CASES = {
+    "h1-d64": Case(tk=2048, tq=2048, n_kv_heads=2, group=1, dk=64, dv=64, sel_block=64, n_sel=8),
+    "h4-dk128-dv64-8k": Case(tk=8192, tq=8192, n_kv_heads=4, group=4, dk=128, dv=64, sel_block=64, n_sel=16),
+    "h16-dk192-dv128": Case(tk=4096, tq=4096, n_kv_heads=4, group=16, dk=192, dv=128, sel_block=64, n_sel=16),
+    "h64-d128": Case(tk=2048, tq=2048, n_kv_heads=1, group=64, dk=128, dv=128, sel_block=64, n_sel=8),
+    "h16-d256": Case(tk=1024, tq=1024, n_kv_heads=1, group=16, dk=256, dv=256, sel_block=64, n_sel=8),
+    "h64-d256": Case(tk=1024, tq=1024, n_kv_heads=1, group=64, dk=256, dv=256, sel_block=64, n_sel=4),
+    "decode-h16": Case(tk=1000, tq=7, n_kv_heads=2, group=16, dk=128, dv=128, sel_block=32, n_sel=6, batch=2),
+    "h3-dk96-dv160-l48": Case(tk=777, tq=777, n_kv_heads=2, group=3, dk=96, dv=160, sel_block=48, n_sel=5),
+}
+LONG_CASE = Case(tk=65536, tq=65536, n_kv_heads=4, group=16, dk=128, dv=128, sel_block=64, n_sel=16)
+N_SAMPLED_ROWS = 64
+
+REPORT: dict = {"parity": [], "long": [], "timing": [], "forward_sweep": [], "backward_sweep": []}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_report():
+    yield
+    REPORT["device"] = torch.cuda.get_device_name()
+    REPORT["torch"] = torch.__version__
+    REPORT["triton"] = __import__("triton").__version__
+    out = os.environ.get("OUT")
+    text = markdown(REPORT)
+    print("\n" + text)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "selected_attention_kernel_gpu.json").write_text(json.dumps(REPORT, indent=2))
+        (Path(out) / "selected_attention_kernel_gpu.md").write_text(text)
+
+
+def sampled_rows(case: Case, seed: int) -> torch.Tensor:
+    """Query rows to check: the first and last rows, rows at block boundaries, and random rows."""
+    fixed = [0, 1, case.sel_block - 1, case.sel_block, case.sel_block + 1, case.tq // 2, case.tq - 1]
+    g = torch.Generator().manual_seed(seed)
+    rand = torch.randperm(case.tq, generator=g)[:N_SAMPLED_ROWS]
+    rows = torch.cat([torch.tensor(fixed), rand])
+    return torch.unique(rows[rows < case.tq])
+
+
+def naive_on_rows(case: Case, q, k, v, idx, rows, do_rows, dtype):
+    """o, dq, dk, dv of the naive oracle for the sampled query rows only, computed in dtype."""
+    leaves = [q[:, rows].to(dtype), k.to(dtype), v.to(dtype)]
+    leaves = [x.detach().requires_grad_(True) for x in leaves]
+    positions = case.tk - case.tq + rows.to(q.device)
+    o = selected_attention_naive(*leaves, idx[:, rows], case.sel_block, positions=positions)
+    return [o] + list(torch.autograd.grad(o, leaves, do_rows.to(dtype)))
+
+
+def check_parity(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
+    q, k, v = random_qkv(case, dtype=dtype, device=DEVICE, seed=seed)
+    idx = random_indices(case, seed=seed + 1, device=DEVICE)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    o = triton_selected_attention(*leaves, idx, case.sel_block)
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf"
+
+    rows = sampled_rows(case, seed).to(DEVICE)
+    sparse_do = torch.zeros_like(do)
+    sparse_do[:, rows] = do[:, rows]
+    dk_rows, dv_rows = torch.autograd.grad(o, leaves[1:], sparse_do)
+    got = [o[:, rows], dq[:, rows], dk_rows, dv_rows]
+    exact = naive_on_rows(case, q, k, v, idx, rows, do[:, rows], torch.float64)
+    low = naive_on_rows(case, q, k, v, idx, rows, do[:, rows], dtype)
+    row = {"case": str(case), "dtype": str(dtype).replace("torch.", ""), "rows_checked": int(rows.numel())}
+    for name, g_, l_, e_ in zip(("o", "dq", "dk", "dv"), got, low, exact):
+        row[f"{name}_ratio"] = error_ratio(g_, l_, e_)
+        row[f"{name}_rel"] = rel_error(g_, e_)
+        row[f"{name}_naive_rel"] = rel_error(l_, e_)
+    return row
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case_name", list(PARITY_CASES))
+def test_gpu_parity_with_naive(case_name: str, dtype_name: str) -> None:
+    row = check_parity(PARITY_CASES[case_name], DTYPES[dtype_name])
+    REPORT["parity"].append(row)
+    worst = {k: v for k, v in row.items() if k.endswith("_ratio")}
+    assert max(worst.values()) <= 1.0, worst
+
+
+def test_gpu_backward_is_bitwise_deterministic() -> None:
+    case = PARITY_CASES["h4-dk128-dv64-8k"]
+    q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=3)
+    idx = random_indices(case, seed=4, device=DEVICE)
+    scale = 1.0 / math.sqrt(case.dk)
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    do = torch.randn_like(o)
+    first = selected_attention_backward(q, k, v, idx, o, stats, do, case.sel_block, scale)
+    for _ in range(3):
+        again = selected_attention_backward(q, k, v, idx, o, stats, do, case.sel_block, scale)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between runs"
+
+
+def test_gpu_64k_forward_backward_completes_and_matches() -> None:
+    """Paper-scale shape: T = 65536, 64 q heads in 4 KV groups, d = 128, n = 16, l' = 64, bf16."""
+    case = LONG_CASE
+    torch.cuda.reset_peak_memory_stats()
+    q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=0)
+    idx = random_indices(case, seed=1, device=DEVICE, dtype=torch.int32)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    o = triton_selected_attention(*leaves, idx, case.sel_block)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf at T=65536"
+
+    rows = sampled_rows(case, 0).to(DEVICE)
+    sparse_do = torch.zeros_like(do)
+    sparse_do[:, rows] = do[:, rows]
+    dk_rows, dv_rows = torch.autograd.grad(o, leaves[1:], sparse_do)
+    got = [o[:, rows], dq[:, rows], dk_rows, dv_rows]
+    exact = naive_on_rows(case, q, k, v, idx, rows, do[:, rows], torch.float64)
+    low = naive_on_rows(case, q, k, v, idx, rows, do[:, rows], torch.bfloat16)
+    fp32 = naive_on_rows(case, q, k, v, idx, rows, do[:, rows], torch.float32)
+    row = {"case": str(case), "dtype": "bfloat16", "first_forward_s": t1 - t0, "first_backward_s": t2 - t1,
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "rows_checked": int(rows.numel())}
+    for name, g_, l_, f_, e_ in zip(("o", "dq", "dk", "dv"), got, low, fp32, exact):
+        row[f"{name}_ratio"] = error_ratio(g_, l_, e_)
+        row[f"{name}_rel_vs_fp32_naive"] = rel_error(g_, f_)
+    REPORT["long"].append(row)
+    worst = {k: v for k, v in row.items() if k.endswith("_ratio")}
+    assert max(worst.values()) <= 1.0, worst
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sdpa_times(q, k, v, group: int, do) -> tuple[float, float]:
+    """Causal full attention (SDPA, K/V expanded to the query heads) forward and forward+backward, ms."""
+    qh = q.detach().transpose(1, 2).requires_grad_(True)
+    kh = k.detach().repeat_interleave(group, dim=2).transpose(1, 2).requires_grad_(True)
+    vh = v.detach().repeat_interleave(group, dim=2).transpose(1, 2).requires_grad_(True)
+    doh = do.transpose(1, 2)
+
+    def fwd():
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+
+    def step():
+        torch.autograd.grad(fwd(), (qh, kh, vh), doh)
+
+    return bench_ms(fwd), bench_ms(step)
+
+
+@pytest.mark.parametrize("tk", [8192, 32768, 65536])
+def test_gpu_timing(tk: int) -> None:
+    """Median ms (triton.testing.do_bench) of the kernel forward, forward+backward and the inverted-index
+    build, next to SDPA causal full attention on the same q/k/v (bf16, 64 q heads, 4 KV groups, d = 128)."""
+    case = Case(tk=tk, tq=tk, n_kv_heads=4, group=16, dk=128, dv=128, sel_block=64, n_sel=16)
+    q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=0)
+    idx = random_indices(case, seed=1, device=DEVICE, dtype=torch.int32)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    do = torch.randn((1, tk, case.n_heads, case.dv), device=DEVICE, dtype=torch.bfloat16)
+
+    def fwd():
+        return triton_selected_attention(*leaves, idx, case.sel_block)
+
+    def step():
+        torch.autograd.grad(fwd(), leaves, do)
+
+    row = {"tk": tk, "case": str(case),
+           "kernel_fwd_ms": bench_ms(fwd), "kernel_fwd_bwd_ms": bench_ms(step),
+           "index_build_ms": bench_ms(lambda: build_inverted_index(idx, tk, case.sel_block))}
+    row["sdpa_causal_fwd_ms"], row["sdpa_causal_fwd_bwd_ms"] = sdpa_times(q, k, v, case.group, do)
+    REPORT["timing"].append(row)
+    assert row["kernel_fwd_ms"] > 0
+
+
+def test_gpu_tiling_sweep_at_64k() -> None:
+    """Forward and backward time per launch setting at T = 65536 (the heuristic's pick is marked), so the
+    defaults in tiling.py can be checked against measurements."""
+    from optimized.kernels.tiling import backward_tiling, forward_tiling, padded
+
+    case = LONG_CASE
+    q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=0)
+    idx = random_indices(case, seed=1, device=DEVICE, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(case.dk)
+    dims = (padded(case.group), padded(case.dk), padded(case.dv), case.sel_block, torch.bfloat16)
+    fwd_default, bwd_default = forward_tiling(*dims), backward_tiling(*dims)
+    for block_n in (32, 64):
+        for warps in (4, 8):
+            for stages in (1, 2, 3, 4):
+                tiling = Tiling(block_n, warps, stages)
+                entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages,
+                         "heuristic": tiling == fwd_default}
+                try:
+                    entry["fwd_ms"] = bench_ms(lambda: selected_attention_forward(q, k, v, idx, case.sel_block,
+                                                                                  scale, tiling))
+                except Exception as exc:  # a setting the GPU cannot run is recorded, not fatal
+                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                REPORT["forward_sweep"].append(entry)
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    do = torch.randn_like(o)
+    for block_n in (16, 32, 64):
+        for warps in (4, 8):
+            for stages in (1, 2):
+                tiling = Tiling(block_n, warps, stages)
+                entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages,
+                         "heuristic": tiling == bwd_default}
+                try:
+                    entry["bwd_ms"] = bench_ms(lambda: selected_attention_backward(
+                        q, k, v, idx, o, stats, do, case.sel_block, scale, tiling))
+                except Exception as exc:
+                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                REPORT["backward_sweep"].append(entry)
+    assert any("fwd_ms" in e for e in REPORT["forward_sweep"])
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Triton selected attention on {report.get('device')} (torch {report.get('torch')}, "
+             f"triton {report.get('triton')})", ""]
+    if report["parity"]:
+        lines += ["## Parity vs naive (error ratio <= 1 passes; rel = ||x - f64|| / ||f64||)", "",
+                  "| case | dtype | o ratio | dq ratio | dk ratio | dv ratio | o rel | dk rel |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in report["parity"]:
+            lines.append(f"| {r['case']} | {r['dtype']} | {r['o_ratio']:.3f} | {r['dq_ratio']:.3f} | "
+                         f"{r['dk_ratio']:.3f} | {r['dv_ratio']:.3f} | {r['o_rel']:.2e} | {r['dk_rel']:.2e} |")
+        lines.append("")
+    for r in report["long"]:
+        lines += ["## T = 65536 forward + backward", "", "```", json.dumps(r, indent=1), "```", ""]
+    if report["timing"]:
+        lines += ["## Timing (median ms, bf16, Hq=64, Hkv=4, d=128, n=16, l'=64)", "",
+                  "| T | kernel fwd | kernel fwd+bwd | index build | SDPA causal fwd | SDPA causal fwd+bwd |",
+                  "|---|---|---|---|---|---|"]
+        for r in report["timing"]:
+            lines.append(f"| {r['tk']} | {r['kernel_fwd_ms']:.2f} | {r['kernel_fwd_bwd_ms']:.2f} | "
+                         f"{r['index_build_ms']:.2f} | {r['sdpa_causal_fwd_ms']:.2f} | "
+                         f"{r['sdpa_causal_fwd_bwd_ms']:.2f} |")
+        lines.append("")
+    for key, metric in (("forward_sweep", "fwd_ms"), ("backward_sweep", "bwd_ms")):
+        if report[key]:
+            lines += [f"## {key} at T = 65536 (* = heuristic default)", "", "| block_n | warps | stages | ms |",
+                      "|---|---|---|---|"]
+            for e in report[key]:
+                value = f"{e[metric]:.2f}" if metric in e else e.get("error", "?")
+                star = " *" if e["heuristic"] else ""
+                lines.append(f"| {e['block_n']} | {e['num_warps']} | {e['num_stages']}{star} | {value} |")
+            lines.append("")
+    return "\n".join(lines)
