@@ -30,3 +30,27 @@ def conformance(session: nox.Session) -> None:
     """Main job: run the conformance properties against --impl (CPU), print the verdict, write reports/conformance/."""
     install_cpu(session)
     session.run("pytest", "-q", "conformance", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def perf(session: nox.Session) -> None:
+    """GPU benchmark (issue 8) with the interpreter running nox, nothing installed: NSA stages and layer vs SDPA
+    at 8k-128k, CSV/JSON/plots in reports/perf/, gate on reports/baselines/perf-<gpu>.json (exit 1 on a
+    regression). Posargs go to `python -m perf run`, e.g. `-- --update-baseline` or `-- --seq-lens 64k`."""
+    import sys
+
+    session.run(sys.executable, "-m", "perf", "run", "--device", "cuda", "--compare-baseline", *session.posargs,
+                external=True)
+
+
+@nox.session(name="perf-cpu")
+def perf_cpu(session: nox.Session) -> None:
+    """The benchmark runner on tiny CPU shapes end to end (run, CSV/plots/README, baseline write + compare) so it
+    cannot rot; writes only under the session's tmp folder."""
+    install_cpu(session, "dev,triton,plots")
+    tmp = session.create_tmp()
+    session.run("python", "-m", "perf", "run", "--device", "cpu", "--preset", "tiny", "--out", f"{tmp}/perf",
+                "--readme", f"{tmp}/README.md", "--update-baseline", "--baseline-dir", f"{tmp}/baselines",
+                *session.posargs)
+    session.run("python", "-m", "perf", "compare", "--results", f"{tmp}/perf/results.csv", "--baseline",
+                f"{tmp}/baselines")

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--passes", type=_names(PASSES, "--passes"), help=f"subset of {PASSES}")
     run.add_argument("--out", type=Path, help="results folder (default reports/perf, or $OUT/perf when $OUT is set)")
     run.add_argument("--merge", action="store_true", help="keep rows of --out that this sweep does not measure")
-    run.add_argument("--readme", type=Path, help="also rewrite the PERF section of this README")
+    run.add_argument("--readme", type=Path, help="rewrite the PERF section of this README (without --out: "
+                     "reports/README.md, or $OUT/README.md when $OUT is set; with --out: none)")
     run.add_argument("--compare-baseline", action="store_true", help="fail (exit 1) on a regression")
     run.add_argument("--update-baseline", action="store_true", help="write this sweep as the new baseline")
     run.add_argument("--baseline", type=Path, help="baseline to compare with (default "
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser("compare", help="compare a results CSV/JSON with a baseline file (no timing)")
     cmp.add_argument("--results", type=Path, default=DEFAULT_OUT / RESULTS_CSV)
-    cmp.add_argument("--baseline", type=Path, required=True)
+    cmp.add_argument("--baseline", type=Path, required=True,
+                     help="baseline file, or a folder holding perf-<device-slug>[-<preset>].json for these results")
 
     flo = sub.add_parser("floors", help="print per-stage FLOP and byte floors for one T (paper config)")
     flo.add_argument("--seq-len", type=parse_seq_lens, default=(65536,))
@@ -129,6 +131,7 @@ def cmd_run(args) -> int:
     root = _out_root()
     out_dir = args.out or (root / "perf" if root else DEFAULT_OUT)
     baseline_dir = args.baseline_dir or (root / "baselines" if root else DEFAULT_BASELINES)
+    readme = args.readme or (None if args.out else (root / "README.md" if root else DEFAULT_README))
 
     env = describe(device)
     device_slug = slug(env["device"])
@@ -155,7 +158,7 @@ def cmd_run(args) -> int:
         rows = merge_rows(old, rows)
         meta["merged_runs"] = old_meta.get("merged_runs", [old_meta.get("env")] if old_meta else []) + [env]
     write_rows(rows, out_dir, meta)
-    make_report(rows, out_dir, args.readme)
+    make_report(rows, out_dir, readme)
     print(f"perf: wrote {out_dir}/ ({len(rows)} rows, {len(skipped)} skipped by the time budget) in "
           f"{runner.elapsed():.0f} s")
     if skipped:
@@ -194,12 +197,16 @@ def cmd_compare(args) -> int:
     if not meta:
         raise ValueError(f"{args.results.parent} has no results.json (its meta names the spec the rows were run with)")
     spec_dict = meta["spec"]
+    path = args.baseline
+    if path.is_dir():
+        path = gate.baseline_path(path, slug(meta["env"]["device"]), spec_dict["name"])
     try:
-        baseline = gate.load_baseline(args.baseline)
+        baseline = gate.load_baseline(path)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
     comparisons = gate.compare(rows, baseline, meta["shape_key"], spec_dict["regression_floor"],
                                spec_dict["spread_factor"])
+    print(f"perf: comparing {args.results} with {path}")
     print(gate.format_comparison(comparisons))
     return EXIT_REGRESSION if any(c.verdict == "regression" for c in comparisons) else 0
 

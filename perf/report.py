@@ -97,7 +97,7 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
         ax.set_ylabel("median time (ms)")
         ax.set_title(f"whole layer, {PASS_TITLE[pass_name]}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     fig.suptitle(title, fontsize=9)
     paths.append(_save(fig, out_dir / "time_vs_T.png", plt))
 
@@ -119,7 +119,7 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
         ax.set_ylabel("speedup over SDPA causal (x)")
         ax.set_title(f"speedup, {PASS_TITLE[pass_name]}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     fig.suptitle(title, fontsize=9)
     paths.append(_save(fig, out_dir / "speedup.png", plt))
 
@@ -150,7 +150,7 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
             ax.set_xlabel("sequence length T")
             ax.set_ylabel("share of the summed stage medians (%)")
             ax.set_title(f"{impl} stages, {PASS_TITLE[pass_name]}", fontsize=10)
-        axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        _legend(axes[-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.suptitle(title, fontsize=9)
         paths.append(_save(fig, out_dir / "stages.png", plt))
 
@@ -178,7 +178,7 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
         _log2_ticks(ax, seq_lens)
         ax.set_xlabel("sequence length T")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
+        _legend(ax, fontsize=6)
     fig.suptitle(title, fontsize=9)
     paths.append(_save(fig, out_dir / "tflops_vs_floor.png", plt))
 
@@ -193,7 +193,7 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
                 ax.plot(*zip(*pts), marker="o", label=f"{impl} {pass_name}")
     if ax.lines:
         ax.set_yscale("log")
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     else:
         ax.text(0.5, 0.5, "no GPU memory statistics (CPU run)", ha="center", transform=ax.transAxes)
     _log2_ticks(ax, seq_lens)
@@ -203,6 +203,11 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     ax.set_title("peak memory (torch.cuda.max_memory_allocated)", fontsize=9)
     paths.append(_save(fig, out_dir / "memory.png", plt))
     return paths
+
+
+def _legend(ax, **kwargs) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
 
 
 def _save(fig, path: Path, plt) -> Path:

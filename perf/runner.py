@@ -105,8 +105,9 @@ class Runner:
         return rows
 
     def _reset_memory(self) -> None:
-        gc.collect()
+        """Free the previous case's tensors (reference cycles included) and restart the peak statistics."""
         if self.is_cuda:
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -152,7 +153,6 @@ class Runner:
             prepared = None
             if self.is_cuda:
                 row.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device)
-            self._reset_memory()
         self._fill_work(row)
         return row
 

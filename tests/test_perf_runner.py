@@ -1,0 +1,212 @@
+"""The benchmark runner (perf/) on CPU-sized shapes: key counts against the reference's loops, the regression
+gate's rule, and one end-to-end tiny sweep through CSV, plots, README section and baseline compare."""
+
+from __future__ import annotations
+
+import csv
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import optimized
+from perf import baseline as gate
+from perf.cli import main
+from perf.flops import StageWork, compressed_pairs, selected_token_count, window_pairs
+from perf.implementations import NSAImplementation, parse_impls
+from perf.report import BEGIN, END
+from perf.results import ERROR, OK, OOM, SKIPPED, Row, read_rows
+from perf.runner import Runner
+from perf.spec import LAYER, NSA_STAGES, PASSES, preset
+from reference.branches import selected_tokens, window_tokens
+from reference.compression import compressed_block_count, visible_compressed_blocks
+from reference.config import NSAConfig
+
+SMALL = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_sel=3, n_init=1, n_local=1, window=10,
+                  n_heads=4, n_kv_heads=2, head_dim_qk=16, head_dim_v=8, phi="avg")
+
+
+@pytest.fixture
+def one_thread():
+    """The runner sets torch's CPU threads for --device cpu; restore them for the other tests."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# Key counts: closed forms and index counting against the reference's literal loops ----------------------
+
+@pytest.mark.parametrize("cfg", [SMALL, SMALL.replace(cmp_visibility="strict"), SMALL.replace(window_keys="w+1")])
+@pytest.mark.parametrize("T", [1, 7, 8, 9, 40, 57])
+def test_key_counts_match_reference_loops(cfg, T):
+    n_blocks = compressed_block_count(T, cfg)
+    assert compressed_pairs(T, cfg) == sum(len(visible_compressed_blocks(p, n_blocks, cfg)) for p in range(T))
+    assert window_pairs(T, cfg) == sum(len(window_tokens(p, cfg)) for p in range(T))
+
+
+def test_selected_token_count_matches_reference_loops():
+    gen = torch.Generator().manual_seed(3)
+    T, H = 70, SMALL.n_kv_heads
+    indices = torch.full((2, T, H, SMALL.n_sel), -1, dtype=torch.int64)
+    for b in range(2):
+        for p in range(T):
+            J = p // SMALL.sel_block
+            for g in range(H):
+                chosen = torch.randperm(J + 1, generator=gen)[: SMALL.n_sel - 1].sort().values  # leave a -1 pad
+                indices[b, p, g, : len(chosen)] = chosen
+    expected = sum(len(selected_tokens(p, [int(j) for j in indices[b, p, g]], SMALL))
+                   for b in range(2) for p in range(T) for g in range(H))
+    assert selected_token_count(indices, SMALL.sel_block) == expected
+
+
+def test_sdpa_flops_count_the_causal_mask():
+    T = 37
+    work = StageWork(T, SMALL, batch=1, elem_bytes=2, phi_hidden=16)
+    pairs = int(torch.ones(T, T).tril().sum())
+    per_pair = 2 * (SMALL.head_dim_qk + SMALL.head_dim_v) * SMALL.n_heads
+    assert work.sdpa().flops("fwd") == per_pair * pairs
+    assert work.sdpa().flops("fwd_bwd") == pytest.approx(3.5 * per_pair * pairs)
+
+
+# Regression gate -------------------------------------------------------------------------------------------
+
+def _row(median, spread=0.01, status=OK, T=1024, stage=LAYER):
+    return Row(seq_len=T, impl="nsa", stage=stage, pass_name="fwd", status=status, median_ms=median, spread=spread,
+               n_runs=40)
+
+
+def _baseline(rows, shape_key):
+    return {"shape_key": shape_key, "cases": {r.key: {"status": r.status, "median_ms": r.median_ms,
+                                                      "spread": r.spread} for r in rows}}
+
+
+@pytest.mark.parametrize("now, spread, verdict", [
+    (10.9, 0.01, "ok"),  # +9%: inside the 10% floor
+    (11.2, 0.01, "regression"),  # +12% with 1% spread: threshold max(10%, 3%) = 10%
+    (11.2, 0.05, "ok"),  # +12% with 5% spread: threshold 15%
+    (11.6, 0.05, "regression"),  # +16% with 5% spread
+    (8.0, 0.01, "improved"),
+])
+def test_gate_threshold_is_max_of_floor_and_three_spreads(now, spread, verdict):
+    key = {"name": "x"}
+    base = _baseline([_row(10.0, spread=0.01)], key)
+    (c,) = gate.compare([_row(now, spread=spread)], base, key, floor=0.10, factor=3.0)
+    assert c.verdict == verdict
+
+
+def test_gate_failures_skips_and_shape_mismatch():
+    key = {"name": "x"}
+    base = _baseline([_row(10.0), _row(5.0, T=2048)], key)
+    verdicts = {c.key: c.verdict for c in gate.compare([_row(None, status=OOM), _row(None, status=SKIPPED, T=2048)],
+                                                         base, key, 0.10, 3.0)}
+    assert verdicts == {_row(0).key: "regression", _row(0, T=2048).key: "not compared"}
+    with pytest.raises(ValueError, match="different shapes"):
+        gate.compare([_row(10.0)], base, {"name": "y"}, 0.10, 3.0)
+
+
+# Implementations and error handling ------------------------------------------------------------------------
+
+def test_parse_impls_variants_and_errors():
+    with_sdpa, variants = parse_impls("sdpa,nsa,nsa[backend=torch,chunk_size=64]", "optimized")
+    assert with_sdpa and [v.label for v in variants] == ["nsa", "nsa[backend=torch,chunk_size=64]"]
+    assert variants[1].kwargs == {"backend": "torch", "chunk_size": 64}
+    with pytest.raises(ValueError, match="no stage function accepts keyword 'colour'"):
+        parse_impls("nsa[colour=red]", "optimized")
+    with pytest.raises(ValueError, match="must be 'sdpa', 'nsa'"):
+        parse_impls("flash", "optimized")
+    with pytest.raises(ValueError, match="lacks contract function"):
+        parse_impls("nsa", "perf.spec")
+
+
+def test_oom_and_errors_are_recorded_per_case_and_the_sweep_goes_on(one_thread):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    stages = {name: getattr(optimized, name) for name in
+              ("compress", "compressed_attention", "selection_scores", "select_blocks", "selected_attention",
+               "window_attention", "nsa_forward")}
+    stages.update(selected_attention=out_of_memory, window_attention=broken)
+    impl = NSAImplementation("nsa", SimpleNamespace(**stages))
+    spec = preset("tiny", seq_lens=(64,), repeats=1, rounds=1, warmup=0, stages=("selected", "window", "gate"),
+                  passes=("fwd",))
+    rows = Runner(spec, torch.device("cpu"), with_sdpa=False, variants=[impl], log=lambda s: None).run()
+    status = {r.stage: r.status for r in rows}
+    assert status == {LAYER: OK, "selected": OOM, "window": ERROR, "gate": OK}
+    assert "kernel exploded" in next(r.note for r in rows if r.stage == "window")
+
+
+def test_cuda_requested_without_gpu_fails_fast(capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert main(["run", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "no CUDA GPU is visible" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+# End to end --------------------------------------------------------------------------------------------------
+
+def test_tiny_sweep_end_to_end(tmp_path, one_thread, capsys):
+    out, base_dir, readme = tmp_path / "perf", tmp_path / "baselines", tmp_path / "README.md"
+    rc = main(["run", "--device", "cpu", "--preset", "tiny", "--seq-lens", "64,160", "--repeats", "2",
+               "--rounds", "2", "--warmup", "0", "--out", str(out), "--readme", str(readme),
+               "--update-baseline", "--baseline-dir", str(base_dir)])
+    assert rc == 0, capsys.readouterr().out
+
+    rows = read_rows(out / "results.csv")
+    expected = {(T, "sdpa", LAYER, p) for T in (64, 160) for p in PASSES}
+    expected |= {(T, "nsa", s, p) for T in (64, 160) for s in (*NSA_STAGES, LAYER) for p in PASSES}
+    assert {(r.seq_len, r.impl, r.stage, r.pass_name) for r in rows} == expected
+    assert all(r.status == OK and r.n_runs == 4 and r.median_ms > 0 for r in rows), [r.note for r in rows]
+
+    # Selected tokens recorded for T=160 (every query past block n-1 reads n-1 full blocks and its partial
+    # current block, whatever the scores) against the reference's Eq. 12 token lists.
+    cfg = preset("tiny").cfg
+    def recent_blocks(p):
+        J = p // cfg.sel_block
+        return list(range(max(0, J - cfg.n_sel + 1), J + 1))
+    expected_tokens = cfg.n_kv_heads * sum(len(selected_tokens(p, recent_blocks(p), cfg)) for p in range(160))
+    for r in rows:
+        if r.seq_len == 160 and r.impl == "nsa" and r.stage in ("selected", LAYER):
+            assert r.selected_tokens == expected_tokens
+
+    for name in ("time_vs_T.png", "speedup.png", "stages.png", "tflops_vs_floor.png", "memory.png"):
+        assert (out / name).stat().st_size > 10_000
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["ceilings"]["matmul_tflops"] > 0 and meta["ceilings"]["copy_gbps"] > 0
+
+    # The README table shows the CSV's medians; `report` regenerates the same section from the CSV alone.
+    text = readme.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    with open(out / "results.csv", newline="") as fh:
+        sdpa_fwd = next(r for r in csv.DictReader(fh) if r["impl"] == "sdpa" and r["pass_name"] == "fwd"
+                        and r["seq_len"] == "160")
+    assert f"| 160 | fwd | {float(sdpa_fwd['median_ms']):.3f} |" in text
+    readme.write_text("# kept header\n\n" + text.replace("| 160 | fwd |", "| tampered |"))
+    assert main(["report", "--results", str(out / "results.csv"), "--readme", str(readme)]) == 0
+    regenerated = readme.read_text()
+    assert regenerated.startswith("# kept header") and "tampered" not in regenerated
+    assert regenerated.split(BEGIN)[1] == text.split(BEGIN)[1]
+
+    # Gate: the sweep against its own baseline passes; against a baseline twice as fast it fails.
+    (baseline_file,) = base_dir.iterdir()
+    assert main(["compare", "--results", str(out / "results.csv"), "--baseline", str(baseline_file)]) == 0
+    data = json.loads(baseline_file.read_text())
+    for case in data["cases"].values():
+        case["median_ms"] /= 2
+    faster = tmp_path / "faster.json"
+    faster.write_text(json.dumps(data))
+    assert main(["compare", "--results", str(out / "results.csv"), "--baseline", str(faster)]) == 1
+    assert "regression" in capsys.readouterr().out
+
+
+def test_time_budget_skips_cases_and_says_so(tmp_path, one_thread):
+    out = tmp_path / "perf"
+    assert main(["run", "--device", "cpu", "--preset", "tiny", "--seq-lens", "64", "--stages", "gate",
+                 "--time-budget", "1e-9", "--out", str(out)]) == 0
+    rows = read_rows(out / "results.csv")
+    assert rows and all(r.status == SKIPPED and "budget" in r.note for r in rows)
+    assert all(r.median_ms is None for r in rows)
