@@ -100,3 +100,25 @@ def token_overlap(i: int, j: int, cfg: NSAConfig) -> int:
     lo = max(i * cfg.cmp_stride, j * cfg.sel_block)
     hi = min(i * cfg.cmp_stride + cfg.cmp_block, (j + 1) * cfg.sel_block)
     return max(0, hi - lo)
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+    """Plain GQA attention with an explicit boolean mask allowed [TQ, TK] (True = key readable): a masked
+    score matrix and a softmax, computed in q's dtype; a query with no allowed key gets 0 (Eq. 2)."""
+    B, TQ, Hq, dk = q.shape
+    G = Hq // k.shape[2]
+    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    scores = torch.einsum("bphd,bshd->bhps", q, kk) / math.sqrt(dk)
+    mask = allowed.to(scores.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no allowed key: 0
+    return torch.einsum("bhps,bshd->bphd", probs, vv)
+
+
+def causal_mask(T: int, *, window: int | None = None, strict: bool = False) -> Tensor:
+    """allowed[p, s]: s <= p (s < p if strict), and s > p - window if a window size is given."""
+    p, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = s < p if strict else s <= p
+    if window is not None:
+        allowed &= s > p - window
+    return allowed

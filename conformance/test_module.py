@@ -1,0 +1,136 @@
+"""Module level (NSAAttention): RoPE rotates q and every branch's k, never v, before compression; the
+gates of Eq. 5 are g = sigmoid(MLP(x)) in [0, 1] per query head and branch, with the MLP's last layer
+zero-initialised, so every gate is exactly 0.5 at initialisation.
+
+- With phi = mean pooling, rotating only q and k makes every logit (and every compressed key's logit,
+  since mean pooling commutes with a common rotation) depend on relative positions only, so the module
+  output is invariant to a global position offset; rotating v breaks that (this test fails).
+- A fresh module's gates are exactly 0.5; with large random gate weights they stay in [0, 1].
+- Loaded with the same weights (the reference module's parameter names), the module equals
+  reference.NSAAttention (float64; low precision by the error-ratio rule).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from conformance.adapters import not_covered
+from conformance.helpers import error_ratio
+
+PROPERTY = "Module level"
+EQUATION = "RoPE on q, k only; Eq. 5 gates"
+
+HIDDEN = 16
+RTOL = 1e-10  # float64, through projections and RoPE angles
+
+
+def module_config(preset, phi: str):
+    if preset.cmp_block == preset.cmp_stride == preset.sel_block:
+        sizes = dict(cmp_block=2, cmp_stride=2, sel_block=2)
+    else:
+        sizes = dict(cmp_block=4, cmp_stride=2, sel_block=4)
+    return preset.replace(**sizes, n_sel=3, n_init=1, n_local=1, window=4, n_heads=4, n_kv_heads=2,
+                          head_dim_qk=6, head_dim_v=4, phi=phi)
+
+
+def make_module(impl, cfg, device, seed: int = 0):
+    impl.require("NSAAttention")
+    torch.manual_seed(seed)
+    return impl.NSAAttention(HIDDEN, cfg).to(device=device, dtype=torch.float64)
+
+
+def randomize(module, seed: int, scale: float = 0.3) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float64) * scale).to(p))
+
+
+def test_output_is_invariant_to_a_position_offset(impl, preset, device, record_metric):
+    """RoPE on q and k only: m(x) == m(x, position_offset=37) with phi = avg. Fails if v is rotated."""
+    cfg = module_config(preset, "avg")
+    m = make_module(impl, cfg, device)
+    if "position_offset" not in inspect.signature(m.forward).parameters:
+        not_covered(f"{impl.name}.NSAAttention.forward takes no position_offset")
+    randomize(m, 1)
+    x = torch.randn(2, 13, HIDDEN, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device)
+    a, b = m(x), m(x, position_offset=37)
+    err = float((a - b).abs().max())
+    tol = RTOL * (1 + float(a.abs().max()))
+    record_metric("offset_invariance", err / tol)
+    assert err <= tol, (f"module output changed by {err:.3g} under a position offset of 37: something besides q and "
+                        f"k is rotated (v?), or RoPE is not relative")
+
+
+def gates_of(m, x):
+    if hasattr(m, "project"):
+        return m.project(x)[2]
+    return None
+
+
+def test_gates_start_at_exactly_one_half(impl, preset, device):
+    """Zero-initialised last gate layer: sigmoid(0) = 0.5 for every head, branch and input."""
+    cfg = module_config(preset, preset.phi)
+    m = make_module(impl, cfg, device)
+    x = 10 * torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(device)
+    gates = gates_of(m, x)
+    if gates is not None:
+        assert torch.equal(gates, torch.full_like(gates, 0.5)), (
+            f"fresh module gates are not all 0.5: min {float(gates.min())}, max {float(gates.max())}")
+        return
+    if not hasattr(m, "attention"):
+        not_covered(f"{impl.name}.NSAAttention exposes neither project() nor attention()")
+    out = m.attention(x)
+    half_sum = 0.5 * (out.o_cmp + out.o_slc + out.o_win)
+    err = float((out.o - half_sum).abs().max())
+    assert err <= RTOL * (1 + float(half_sum.abs().max())), (
+        f"fresh module output is not 0.5 * (o_cmp + o_slc + o_win) (error {err:.3g}, config {cfg})")
+
+
+def test_gates_stay_in_the_unit_interval(impl, preset, device):
+    """With large random gate weights, sigmoid gates stay in [0, 1] (and are no longer all 0.5)."""
+    m = make_module(impl, module_config(preset, preset.phi), device)
+    gate_params = [p for name, p in m.named_parameters() if "gate" in name]
+    if not hasattr(m, "project") or not gate_params:
+        not_covered(f"{impl.name}.NSAAttention exposes no project() or no parameters named *gate*")
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in gate_params:
+            p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float64) * 100).to(p))
+    x = torch.randn(2, 9, HIDDEN, generator=g, dtype=torch.float64).to(device)
+    gates = m.project(x)[2]
+    assert gates.shape[-1] == 3, f"gates must be [B, T, Hq, 3], got {tuple(gates.shape)}"
+    assert float(gates.min()) >= 0 and float(gates.max()) <= 1, (
+        f"gates outside [0, 1]: min {float(gates.min())}, max {float(gates.max())}")
+    assert not torch.equal(gates, torch.full_like(gates, 0.5)), "gates ignore the gate weights"
+
+
+def test_module_equals_the_reference_module(impl, preset, device, low_dtype, record_metric):
+    """Same state_dict in reference.NSAAttention and the module: equal outputs at offsets 0 and 5."""
+    from reference.module import NSAAttention as ReferenceModule
+
+    cfg = module_config(preset, preset.phi)
+    m = make_module(impl, cfg, device)
+    randomize(m, 5)
+    ref = ReferenceModule(HIDDEN, cfg).to(torch.float64)
+    try:
+        ref.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()}, strict=True)
+    except RuntimeError as exc:
+        not_covered(f"{impl.name}.NSAAttention's parameters do not match reference.NSAAttention's names: "
+                    f"{str(exc).splitlines()[0]}")
+    x = torch.randn(2, 11, HIDDEN, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    for offset in (0, 5):
+        want = ref(x, position_offset=offset)
+        got = m(x.to(device), position_offset=offset).cpu()
+        err = float((got - want).abs().max())
+        tol = RTOL * (1 + float(want.abs().max()))
+        record_metric("float64", err / tol)
+        assert err <= tol, f"module output differs from reference.NSAAttention at offset {offset}: {err:.3g}"
+        m_low, ref_low = copy.deepcopy(m).to(low_dtype), copy.deepcopy(ref).to(low_dtype)
+        ratio = error_ratio(m_low(x.to(device=device, dtype=low_dtype), position_offset=offset),
+                            ref_low(x.to(low_dtype), position_offset=offset), want)
+        record_metric(f"error_ratio_{str(low_dtype).replace('torch.', '')}", ratio)
+        assert ratio <= 1, f"module in {low_dtype} at offset {offset}: error ratio {ratio:.3g} > 1"

@@ -1,0 +1,155 @@
+"""Numerical safety of Eq. 2's softmax in every branch: a query with no visible compressed block (p < l-1,
+Eq. 7) gets exactly 0 from the compressed branch, with no NaN in any output or gradient; logits of huge
+magnitude (either sign) neither overflow nor let masked keys in (a mask filled with a finite value such as
+-1e4 leaks once the real logits are below it); long sequences and fully masked rows stay finite, in
+float64 and in the low precision (--dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.adapters import load_impl
+from conformance.helpers import Inputs, make_inputs, named_tensors
+from conformance.rules import visible_cmp_blocks
+from conformance.strategies import configs, lengths, show_reproducer
+
+PROPERTY = "Numerical safety"
+EQUATION = "Eq. 2 (empty sets, large logits, long T)"
+
+LARGE_LOGIT = 1e5
+RTOL_LARGE = 1e-8  # float64 with |logits| ~ 1e5: rounding of a logit is ~1e-11
+
+
+def forward_and_grads(impl, x: Inputs, cfg, seed: int):
+    xg = x.to(requires_grad=True)
+    out = impl.nsa_forward(xg.q, xg.kv, xg.gates, cfg, xg.phi)
+    w = torch.randn(out.o.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    loss = (out.o * w.to(out.o)).sum()
+    named = named_tensors(xg)
+    grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True) if loss.requires_grad else []
+    return out, {n: g for n, g in zip(named, grads) if g is not None}
+
+
+def assert_finite(out, grads: dict, what: str) -> None:
+    for field in ("o", "o_cmp", "o_slc", "o_win"):
+        t = getattr(out, field)
+        assert bool(torch.isfinite(t).all()), f"{what}: {field} has {int((~torch.isfinite(t)).sum())} non-finite entries"
+    for name, g in grads.items():
+        assert bool(torch.isfinite(g).all()), f"{what}: gradient of {name} has non-finite entries"
+
+
+@given(data=st.data())
+def test_empty_compressed_set_gives_zero(impl, preset, device, low_dtype, data):
+    """Positions p with no visible compressed block: o_cmp == 0 exactly; outputs and gradients finite."""
+    impl.require("nsa_forward")
+    cfg = data.draw(configs(preset), label="cfg")
+    T = data.draw(lengths(cfg, low=1, high=3 * cfg.cmp_block), label="T")
+    seed = data.draw(st.integers(0, 2**20), label="seed")
+    show_reproducer(impl.spec, cfg, "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
+                    T=T, B=2, seed=seed, shared_kv=impl.shared_kv)
+    x = make_inputs(cfg, T, B=2, seed=seed, device=device, shared_kv=impl.shared_kv)
+    for dtype in (torch.float64, low_dtype):
+        out, grads = forward_and_grads(impl, x.to(dtype=dtype), cfg, seed)
+        assert_finite(out, grads, str(dtype))
+        for p in range(T):
+            if visible_cmp_blocks(p, cfg) == 0:
+                assert bool((out.o_cmp[:, p] == 0).all()), (
+                    f"{dtype}: o_cmp at position {p} (no compressed block visible) is not 0: {out.o_cmp[:, p]}")
+
+
+def test_compressed_attention_without_blocks(impl, preset, device):
+    """compressed_attention with N = 0 compressed keys: exactly 0, gradient of q exactly 0."""
+    impl.require("compressed_attention")
+    cfg = preset.replace(n_heads=2, n_kv_heads=1, head_dim_qk=4, head_dim_v=3)
+    q = torch.randn(1, 5, 2, 4, dtype=torch.float64, device=device, requires_grad=True)
+    empty_k = torch.zeros(1, 0, 1, 4, dtype=torch.float64, device=device)
+    empty_v = torch.zeros(1, 0, 1, 3, dtype=torch.float64, device=device)
+    o = impl.compressed_attention(q, empty_k, empty_v, cfg)
+    assert o.shape == (1, 5, 2, 3) and bool((o == 0).all()), f"o_cmp with no compressed key must be 0, got {o}"
+    if o.requires_grad:
+        (dq,) = torch.autograd.grad(o.sum(), q)
+        assert bool((dq == 0).all()), "gradient of q through an empty compressed set must be 0"
+
+
+def large_logit_inputs(cfg, T: int, seed: int, sign: float, device) -> Inputs:
+    """q = a u_g + noise and every branch's k = sign * a u_g + noise per KV group g (u_g a unit vector), with
+    a^2 / sqrt(d_k) = 1e5: every logit is about sign * 1e5 (compressed keys too: they pool such keys)."""
+    x = make_inputs(cfg, T, seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed + 7)
+    u = torch.nn.functional.normalize(torch.randn(cfg.n_kv_heads, cfg.head_dim_qk, generator=g, dtype=torch.float64),
+                                      dim=-1).to(device)
+    a = math.sqrt(LARGE_LOGIT * math.sqrt(cfg.head_dim_qk))
+    with torch.no_grad():
+        x.q.copy_(a * u.repeat_interleave(cfg.group_size, 0) + 0.1 * x.q)
+        for branch in ("cmp", "slc", "win"):
+            k = x.kv.branch(branch).k
+            k.copy_(sign * a * u + 0.1 * k)
+    return x
+
+
+@given(data=st.data())
+def test_large_magnitude_logits(impl, preset, device, record_metric, data):
+    """|logits| ~ 1e5 (both signs), every block selected: outputs equal the float64 reference (which
+    subtracts the row maximum), no NaN/Inf in outputs or gradients. Masked keys must not leak."""
+    impl.require("nsa_forward")
+    cfg = data.draw(configs(preset), label="cfg")
+    T = data.draw(lengths(cfg, low=2, high=40), label="T")
+    cfg = cfg.replace(n_sel=max(cfg.n_sel, -(-T // cfg.sel_block)))  # selection = every block: no near-ties
+    sign = data.draw(st.sampled_from([-1.0, 1.0]), label="sign")
+    seed = data.draw(st.integers(0, 2**20), label="seed")
+    show_reproducer(impl.spec, cfg, f"x = large_logit_inputs(cfg, {T}, {seed}, {sign}, 'cpu')  "
+                    "# conformance/test_numerical_safety.py\nout = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
+                    T=T, seed=seed)
+    x = large_logit_inputs(cfg, T, seed, sign, device)
+    out, grads = forward_and_grads(impl, x, cfg, seed)
+    assert_finite(out, grads, f"logits ~ {sign * LARGE_LOGIT:g}")
+    xc = x.to(device="cpu")
+    ref = load_impl("reference").nsa_forward(xc.q, xc.kv, xc.gates, cfg, xc.phi)
+    worst = 0.0
+    for field in ("o_cmp", "o_slc", "o_win", "o"):
+        got, want = getattr(out, field).detach().double().cpu(), getattr(ref, field).double()
+        err = float((got - want).abs().max())
+        tol = RTOL_LARGE * (1 + float(want.abs().max()))
+        worst = max(worst, err / tol)
+        assert err <= tol, (f"{field} with logits ~ {sign * LARGE_LOGIT:g} differs from the float64 reference by "
+                            f"{err:.3g}: masked keys leak or the softmax lost precision")
+    record_metric("large_logits_vs_reference", worst)
+
+
+@given(data=st.data())
+def test_large_magnitude_selection_scores(impl, preset, device, data):
+    """selection_scores with |logits| ~ 1e5: finite for blocks 0..J, -inf after."""
+    impl.require("selection_scores")
+    cfg = data.draw(configs(preset), label="cfg")
+    T = data.draw(lengths(cfg, low=1, high=40), label="T")
+    sign = data.draw(st.sampled_from([-1.0, 1.0]), label="sign")
+    seed = data.draw(st.integers(0, 2**20), label="seed")
+    x = large_logit_inputs(cfg, T, seed, sign, device)
+    k = x.kv.cmp.k
+    N = max(0, (T - cfg.cmp_block) // cfg.cmp_stride + 1)
+    k_cmp = torch.stack([k[:, i * cfg.cmp_stride:i * cfg.cmp_stride + cfg.cmp_block].mean(1) for i in range(N)], 1) \
+        if N else k.new_zeros(k.shape[0], 0, *k.shape[2:])
+    scores = impl.selection_scores(x.q, k_cmp, cfg).cpu()
+    for p in range(T):
+        J = p // cfg.sel_block
+        assert bool(torch.isfinite(scores[:, p, :, :J + 1]).all()), f"non-finite scores at position {p}: {scores[:, p]}"
+        assert bool(torch.isneginf(scores[:, p, :, J + 1:]).all()), f"blocks after J={J} must score -inf at {p}"
+
+
+def test_long_sequence_stays_finite(impl, preset, device, low_dtype):
+    """T = 320 with small blocks (many compressed, selection and window edges): finite outputs and
+    gradients in float64 and in the low precision."""
+    impl.require("nsa_forward")
+    equal = preset.cmp_block == preset.cmp_stride == preset.sel_block
+    sizes = dict(cmp_block=8, cmp_stride=8, sel_block=8) if equal else dict(cmp_block=8, cmp_stride=4, sel_block=16)
+    cfg = preset.replace(**sizes, n_sel=4, n_init=1, n_local=2, window=32, n_heads=2, n_kv_heads=1,
+                         head_dim_qk=4, head_dim_v=4)
+    x = make_inputs(cfg, 320, seed=11, device=device, shared_kv=impl.shared_kv, scale=3.0)
+    for dtype in (torch.float64, low_dtype):
+        out, grads = forward_and_grads(impl, x.to(dtype=dtype), cfg, 12)
+        assert_finite(out, grads, f"T=320 {dtype}")

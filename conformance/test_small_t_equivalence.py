@@ -1,0 +1,184 @@
+"""Small-T equivalence, Eq. 2 and 5: configurations in which a branch covers every causal key must equal
+plain dense causal attention (an explicit masked score matrix and softmax, computed here), and the
+gates of Eq. 5 isolate the branches (o = g_cmp o_cmp + g_slc o_slc + g_win o_win).
+
+- selected branch with n*l' >= T (every block selected) = dense causal attention;
+- window branch with w >= T = dense causal attention; with w < T = dense banded attention over
+  [p-w+1, p] ([p-w, p] with window_keys="w+1");
+- compressed branch with l = d = 1 and mean pooling (every key its own block) = dense causal attention
+  (keys < p with cmp_visibility="strict");
+- one-hot gates give exactly one branch; any gates give the gated sum of the branch outputs.
+Each is checked in float64 (1e-12 relative) and in the low precision (--dtype) by the error-ratio rule
+against dense attention computed in that precision.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.helpers import error_ratio, make_inputs
+from conformance.rules import causal_mask, current_sel_block, dense_attention
+from conformance.strategies import configs, lengths, show_reproducer
+
+PROPERTY = "Small-T equivalence"
+EQUATION = "Eq. 2, 5 (cover-all = dense)"
+
+RTOL = 1e-12  # float64
+BRANCH_GATE = {"cmp": (1.0, 0.0, 0.0), "slc": (0.0, 1.0, 0.0), "win": (0.0, 0.0, 1.0)}
+
+
+def one_hot_gates(x, branch: str) -> None:
+    x.gates.copy_(torch.tensor(BRANCH_GATE[branch], dtype=x.gates.dtype).expand_as(x.gates))
+
+
+def check_against_dense(what: str, candidate, dense, x, low_dtype, device, record_metric) -> None:
+    """candidate(x) vs dense(x): float64 within RTOL, and the low precision by the error-ratio rule."""
+    got64, want64 = candidate(x), dense(x)
+    err = float((got64.double().cpu() - want64.double().cpu()).abs().max())
+    tol = RTOL * (1 + float(want64.abs().max()))
+    record_metric("float64", err / tol)
+    assert err <= tol, f"{what} (float64) differs from dense attention: max error {err:.3g} > {tol:.3g}"
+    low = x.to(dtype=low_dtype)
+    ratio = error_ratio(candidate(low.to(device=device)), dense(low.to(device="cpu")), want64)
+    record_metric(f"error_ratio_{str(low_dtype).replace('torch.', '')}", ratio)
+    assert ratio <= 1, f"{what} in {low_dtype}: error ratio {ratio:.3g} > 1 against dense attention"
+
+
+def draw_case(data, preset, high: int = 40, phi: str | None = None):
+    cfg = data.draw(configs(preset, phi=phi), label="cfg")
+    T = data.draw(lengths(cfg, low=1, high=high), label="T")
+    B = data.draw(st.integers(1, 2), label="B")
+    seed = data.draw(st.integers(0, 2**20), label="seed")
+    return cfg, T, B, seed
+
+
+def cover_all_selection(cfg, T: int):
+    """n >= ceil(T / l'): every existing block is selected."""
+    return cfg.replace(n_sel=max(cfg.n_sel, -(-T // cfg.sel_block)))
+
+
+def cover_all_window(cfg, T: int, extra: int):
+    return cfg.replace(window=max(1, T - (1 if cfg.window_keys == "w+1" else 0) + extra))
+
+
+@given(data=st.data())
+def test_selected_branch_covering_all_blocks_is_dense(impl, preset, device, low_dtype, record_metric, data):
+    impl.require("nsa_forward")
+    cfg, T, B, seed = draw_case(data, preset)
+    cfg = cover_all_selection(cfg, T)
+    show_reproducer(impl.spec, cfg, "x.gates[:] = torch.tensor([0.0, 1.0, 0.0], dtype=x.gates.dtype)\n"
+                    "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
+                    T=T, B=B, seed=seed, shared_kv=impl.shared_kv)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
+    one_hot_gates(x, "slc")
+    check_against_dense("o with gates (0,1,0), n*l' >= T", lambda y: impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o,
+                        lambda y: dense_attention(y.q, *y.kv.slc, causal_mask(T)), x, low_dtype, device, record_metric)
+
+
+@given(data=st.data())
+def test_window_covering_all_keys_is_dense(impl, preset, device, low_dtype, record_metric, data):
+    impl.require("nsa_forward")
+    cfg, T, B, seed = draw_case(data, preset)
+    cfg = cover_all_window(cfg, T, data.draw(st.integers(0, 2), label="extra"))
+    show_reproducer(impl.spec, cfg, "x.gates[:] = torch.tensor([0.0, 0.0, 1.0], dtype=x.gates.dtype)\n"
+                    "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
+                    T=T, B=B, seed=seed, shared_kv=impl.shared_kv)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
+    one_hot_gates(x, "win")
+    check_against_dense("o with gates (0,0,1), w >= T", lambda y: impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o,
+                        lambda y: dense_attention(y.q, *y.kv.win, causal_mask(T)), x, low_dtype, device, record_metric)
+
+
+@given(data=st.data())
+def test_compressed_branch_with_unit_blocks_is_dense(impl, preset, device, low_dtype, record_metric, data):
+    impl.require("nsa_forward")
+    cfg, T, B, seed = draw_case(data, preset, phi="avg")
+    cfg = cfg.replace(cmp_block=1, cmp_stride=1, sel_block=1 if cfg.sel_block == cfg.cmp_block else cfg.sel_block)
+    show_reproducer(impl.spec, cfg, "x.gates[:] = torch.tensor([1.0, 0.0, 0.0], dtype=x.gates.dtype)\n"
+                    "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
+                    T=T, B=B, seed=seed, shared_kv=impl.shared_kv)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
+    one_hot_gates(x, "cmp")
+    strict = cfg.cmp_visibility == "strict"
+    check_against_dense("o with gates (1,0,0), l = d = 1, phi = avg",
+                        lambda y: impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o,
+                        lambda y: dense_attention(y.q, *y.kv.cmp, causal_mask(T, strict=strict)),
+                        x, low_dtype, device, record_metric)
+
+
+@given(data=st.data())
+def test_gates_isolate_the_branches(impl, preset, device, record_metric, data):
+    """One-hot gates give exactly that branch's output; random gates give the gated sum (Eq. 5)."""
+    impl.require("nsa_forward")
+    cfg, T, B, seed = draw_case(data, preset)
+    show_reproducer(impl.spec, cfg, "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
+                    T=T, B=B, seed=seed, shared_kv=impl.shared_kv)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
+    base = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)
+    g = x.gates
+    gated = g[..., 0:1] * base.o_cmp + g[..., 1:2] * base.o_slc + g[..., 2:3] * base.o_win
+    worst = 0.0
+    checks = [("o vs the gated sum of o_cmp, o_slc, o_win", base.o, gated)]
+    for branch in ("cmp", "slc", "win"):
+        y = x.to()
+        one_hot_gates(y, branch)
+        checks.append((f"o with only the {branch} gate on vs o_{branch}", impl.nsa_forward(y.q, y.kv, y.gates, cfg,
+                                                                                           y.phi).o,
+                       getattr(base, f"o_{branch}")))
+    for what, got, want in checks:
+        err = float((got - want).abs().max())
+        tol = RTOL * (1 + float(want.abs().max()))
+        worst = max(worst, err / tol)
+        assert err <= tol, f"{what}: max error {err:.3g}"
+    record_metric("float64", worst)
+
+
+@given(data=st.data())
+def test_window_stage_is_banded_dense(impl, preset, device, low_dtype, record_metric, data):
+    """window_attention == dense attention over keys [p - window_size + 1, p]."""
+    impl.require("window_attention")
+    cfg, T, B, seed = draw_case(data, preset)
+    show_reproducer(impl.spec, cfg, "o = impl.window_attention(x.q, x.kv.win.k, x.kv.win.v, cfg)",
+                    T=T, B=B, seed=seed)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device)
+    check_against_dense(f"window_attention (window_keys={cfg.window_keys!r}, w={cfg.window})",
+                        lambda y: impl.window_attention(y.q, *y.kv.win, cfg),
+                        lambda y: dense_attention(y.q, *y.kv.win, causal_mask(T, window=cfg.window_size)),
+                        x, low_dtype, device, record_metric)
+
+
+@given(data=st.data())
+def test_selected_stage_with_every_block_is_dense(impl, preset, device, low_dtype, record_metric, data):
+    """selected_attention with indices = all blocks 0..J == dense causal attention."""
+    impl.require("selected_attention")
+    cfg, T, B, seed = draw_case(data, preset)
+    cfg = cover_all_selection(cfg, T)
+    indices = torch.full((B, T, cfg.n_kv_heads, cfg.n_sel), -1, dtype=torch.int64)
+    for p in range(T):
+        J = current_sel_block(p, cfg)
+        indices[:, p, :, : J + 1] = torch.arange(J + 1)
+    show_reproducer(impl.spec, cfg, "o = impl.selected_attention(x.q, x.kv.slc.k, x.kv.slc.v, indices, cfg)"
+                    "  # indices[b, p, h] = 0..p // l', then -1", T=T, B=B, seed=seed)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device)
+    check_against_dense("selected_attention over every block",
+                        lambda y: impl.selected_attention(y.q, *y.kv.slc, indices.to(y.q.device), cfg),
+                        lambda y: dense_attention(y.q, *y.kv.slc, causal_mask(T)), x, low_dtype, device,
+                        record_metric)
+
+
+@given(data=st.data())
+def test_compressed_stage_with_unit_blocks_is_dense(impl, preset, device, low_dtype, record_metric, data):
+    """compress + compressed_attention with l = d = 1, phi = avg == dense causal attention."""
+    impl.require("compress", "compressed_attention")
+    cfg, T, B, seed = draw_case(data, preset, phi="avg")
+    cfg = cfg.replace(cmp_block=1, cmp_stride=1, sel_block=1 if cfg.sel_block == cfg.cmp_block else cfg.sel_block)
+    show_reproducer(impl.spec, cfg, "k_cmp, v_cmp = impl.compress(x.kv.cmp.k, x.kv.cmp.v, cfg)\n"
+                    "o = impl.compressed_attention(x.q, k_cmp, v_cmp, cfg)", T=T, B=B, seed=seed)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device)
+    strict = cfg.cmp_visibility == "strict"
+    check_against_dense("compressed_attention with unit blocks",
+                        lambda y: impl.compressed_attention(y.q, *impl.compress(*y.kv.cmp, cfg), cfg),
+                        lambda y: dense_attention(y.q, *y.kv.cmp, causal_mask(T, strict=strict)), x, low_dtype,
+                        device, record_metric)
