@@ -49,14 +49,16 @@ REPORT: dict = {"parity": [], "long": [], "timing": [], "forward_sweep": [], "ba
 
 
 @pytest.fixture(scope="module", autouse=True)
-def write_report():
+def write_report(request: pytest.FixtureRequest):
     yield
     REPORT["device"] = torch.cuda.get_device_name()
     REPORT["torch"] = torch.__version__
     REPORT["triton"] = __import__("triton").__version__
     out = os.environ.get("OUT")
     text = markdown(REPORT)
-    print("\n" + text)
+    terminal = request.config.pluginmanager.getplugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line("\n" + text)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "selected_attention_kernel_gpu.json").write_text(json.dumps(REPORT, indent=2))
@@ -81,8 +83,10 @@ def naive_on_rows(case: Case, q, k, v, idx, rows, do_rows, dtype):
     return [o] + list(torch.autograd.grad(o, leaves, do_rows.to(dtype)))
 
 
-def check_parity(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
-    q, k, v = random_qkv(case, dtype=dtype, device=DEVICE, seed=seed)
+def check_parity(case: Case, dtype: torch.dtype, seed: int = 0, qkv: tuple | None = None,
+                 rows: torch.Tensor | None = None) -> dict:
+    """Kernel forward + backward on the whole case, compared with the naive oracle on sampled rows."""
+    q, k, v = qkv if qkv is not None else random_qkv(case, dtype=dtype, device=DEVICE, seed=seed)
     idx = random_indices(case, seed=seed + 1, device=DEVICE)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     o = triton_selected_attention(*leaves, idx, case.sel_block)
@@ -91,7 +95,7 @@ def check_parity(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
     for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x).all(), f"{name} has NaN/inf"
 
-    rows = sampled_rows(case, seed).to(DEVICE)
+    rows = (rows if rows is not None else sampled_rows(case, seed)).to(DEVICE)
     sparse_do = torch.zeros_like(do)
     sparse_do[:, rows] = do[:, rows]
     dk_rows, dv_rows = torch.autograd.grad(o, leaves[1:], sparse_do)
@@ -111,6 +115,21 @@ def check_parity(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
 def test_gpu_parity_with_naive(case_name: str, dtype_name: str) -> None:
     row = check_parity(PARITY_CASES[case_name], DTYPES[dtype_name])
     REPORT["parity"].append(row)
+    worst = {k: v for k, v in row.items() if k.endswith("_ratio")}
+    assert max(worst.values()) <= 1.0, worst
+
+
+def test_gpu_offsets_beyond_int32() -> None:
+    """q, o, dq with 2 * 70000 * 64 * 256 = 2.29e9 > 2^31 elements: rows past element 2^31 must be right
+    (program ids and strides are multiplied in int64)."""
+    case = Case(tk=70000, tq=70000, n_kv_heads=1, group=64, dk=256, dv=256, sel_block=64, n_sel=4, batch=2)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    qkv = tuple(torch.randn(shape, generator=g, device=DEVICE, dtype=torch.bfloat16)
+                for shape in ((2, case.tq, case.n_heads, case.dk), (2, case.tk, 1, case.dk), (2, case.tk, 1, case.dv)))
+    assert qkv[0].numel() > 2**31
+    rows = torch.tensor([0, 1, 63, 64, 35000, 69990, 69998, 69999])
+    row = check_parity(case, torch.bfloat16, qkv=qkv, rows=rows)
+    REPORT["long"].append(row)
     worst = {k: v for k, v in row.items() if k.endswith("_ratio")}
     assert max(worst.values()) <= 1.0, worst
 
@@ -172,8 +191,8 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def sdpa_times(q, k, v, group: int, do) -> tuple[float, float]:
-    """Causal full attention (SDPA, K/V expanded to the query heads) forward and forward+backward, ms."""
+def sdpa_times(q, k, v, group: int, do) -> tuple[float, float, float]:
+    """Causal full attention (SDPA, K/V expanded to the query heads): forward, backward, forward+backward ms."""
     qh = q.detach().transpose(1, 2).requires_grad_(True)
     kh = k.detach().repeat_interleave(group, dim=2).transpose(1, 2).requires_grad_(True)
     vh = v.detach().repeat_interleave(group, dim=2).transpose(1, 2).requires_grad_(True)
@@ -185,13 +204,16 @@ def sdpa_times(q, k, v, group: int, do) -> tuple[float, float]:
     def step():
         torch.autograd.grad(fwd(), (qh, kh, vh), doh)
 
-    return bench_ms(fwd), bench_ms(step)
+    out = fwd()
+    return (bench_ms(fwd), bench_ms(lambda: torch.autograd.grad(out, (qh, kh, vh), doh, retain_graph=True)),
+            bench_ms(step))
 
 
 @pytest.mark.parametrize("tk", [8192, 32768, 65536])
 def test_gpu_timing(tk: int) -> None:
-    """Median ms (triton.testing.do_bench) of the kernel forward, forward+backward and the inverted-index
-    build, next to SDPA causal full attention on the same q/k/v (bf16, 64 q heads, 4 KV groups, d = 128)."""
+    """Median ms (triton.testing.do_bench) of the kernel forward, backward (inverted-index build included),
+    forward+backward and the index build alone, next to SDPA causal full attention on the same q/k/v
+    (bf16, 64 q heads, 4 KV groups, d = 128)."""
     case = Case(tk=tk, tq=tk, n_kv_heads=4, group=16, dk=128, dv=128, sel_block=64, n_sel=16)
     q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=0)
     idx = random_indices(case, seed=1, device=DEVICE, dtype=torch.int32)
@@ -204,10 +226,14 @@ def test_gpu_timing(tk: int) -> None:
     def step():
         torch.autograd.grad(fwd(), leaves, do)
 
-    row = {"tk": tk, "case": str(case),
-           "kernel_fwd_ms": bench_ms(fwd), "kernel_fwd_bwd_ms": bench_ms(step),
+    out = fwd()
+    row = {"tk": tk, "case": str(case), "kernel_fwd_ms": bench_ms(fwd),
+           "kernel_bwd_ms": bench_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)),
+           "kernel_fwd_bwd_ms": bench_ms(step),
            "index_build_ms": bench_ms(lambda: build_inverted_index(idx, tk, case.sel_block))}
-    row["sdpa_causal_fwd_ms"], row["sdpa_causal_fwd_bwd_ms"] = sdpa_times(q, k, v, case.group, do)
+    del out
+    (row["sdpa_causal_fwd_ms"], row["sdpa_causal_bwd_ms"],
+     row["sdpa_causal_fwd_bwd_ms"]) = sdpa_times(q, k, v, case.group, do)
     REPORT["timing"].append(row)
     assert row["kernel_fwd_ms"] > 0
 
@@ -267,12 +293,15 @@ def markdown(report: dict) -> str:
         lines += ["## T = 65536 forward + backward", "", "```", json.dumps(r, indent=1), "```", ""]
     if report["timing"]:
         lines += ["## Timing (median ms, bf16, Hq=64, Hkv=4, d=128, n=16, l'=64)", "",
-                  "| T | kernel fwd | kernel fwd+bwd | index build | SDPA causal fwd | SDPA causal fwd+bwd |",
-                  "|---|---|---|---|---|---|"]
+                  "| T | kernel fwd | kernel bwd | kernel fwd+bwd | index build | SDPA fwd | SDPA bwd | "
+                  "SDPA fwd+bwd | SDPA/kernel fwd |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in report["timing"]:
-            lines.append(f"| {r['tk']} | {r['kernel_fwd_ms']:.2f} | {r['kernel_fwd_bwd_ms']:.2f} | "
-                         f"{r['index_build_ms']:.2f} | {r['sdpa_causal_fwd_ms']:.2f} | "
-                         f"{r['sdpa_causal_fwd_bwd_ms']:.2f} |")
+            lines.append(f"| {r['tk']} | {r['kernel_fwd_ms']:.2f} | {r['kernel_bwd_ms']:.2f} | "
+                         f"{r['kernel_fwd_bwd_ms']:.2f} | {r['index_build_ms']:.2f} | "
+                         f"{r['sdpa_causal_fwd_ms']:.2f} | {r['sdpa_causal_bwd_ms']:.2f} | "
+                         f"{r['sdpa_causal_fwd_bwd_ms']:.2f} | "
+                         f"{r['sdpa_causal_fwd_ms'] / r['kernel_fwd_ms']:.1f}x |")
         lines.append("")
     for key, metric in (("forward_sweep", "fwd_ms"), ("backward_sweep", "bwd_ms")):
         if report[key]:
