@@ -8,6 +8,11 @@ gathered: at every position they equal the sizes of the index sets - the visible
 tokens of the returned selected blocks clipped to <= p, the window keys - counted here from the
 returned indices (a formula such as n*l' is wrong for a partial current block or few blocks).
 A decode step for the last TQ positions must equal the prefill at those positions.
+
+An implementation with a stateful decoder (the optional stage NSADecodeCache, conformance/adapters) is
+checked the same way: prefill a prompt, then single-token steps and chunks; every call's outputs,
+indices and counted reads must equal the prefill's at those positions (compressed tokens must appear
+exactly at the step that completes their block), and Table 4 holds for one cached step.
 """
 
 from __future__ import annotations
@@ -85,6 +90,85 @@ def check_all_reads(out, positions, cfg) -> None:
         for row in range(len(positions)):
             for g in range(cfg.n_kv_heads):
                 assert_reads_are_counts(reads, indices, positions, cfg, b, row, g)
+
+
+@pytest.mark.parametrize("context", sorted(TABLE_4))
+def test_table_4_cached_decode_reads(impl, preset, device, record_metric, context):
+    """The cache filled with s-1 prompt tokens, one step: counted reads total = Table 4 +- 2."""
+    cache = cache_or_skip(impl)
+    cfg = table4_config(preset)
+    g = torch.Generator().manual_seed(context)
+    k = torch.randn(1, context, 1, 2, generator=g, dtype=torch.float64).to(device)
+    v = torch.randn(1, context, 1, 2, generator=g, dtype=torch.float64).to(device)
+    q = torch.randn(1, 1, 1, 2, generator=g, dtype=torch.float64).to(device)
+    gates = torch.full((1, 1, 1, 3), 0.5, dtype=torch.float64, device=device)
+    decoder = cache(cfg, 1, context, dtype=torch.float64, device=device, phi=None)
+    if not hasattr(decoder, "fill"):
+        pytest.skip(f"not applicable: {impl.name}'s NSADecodeCache has no fill() (a {context}-token prefill on "
+                    "CPU would be slow)")
+    decoder.fill(BranchKV.shared(k[:, :-1], v[:, :-1]))
+    out = decoder.step(q, BranchKV.shared(k[:, -1:], v[:, -1:]), gates)
+    reads = {b: int(getattr(out.reads, b)[0, 0, 0]) for b in ("cmp", "slc", "win")}
+    for branch, count in reads.items():
+        record_metric(f"cached_decode_reads@{context}.{branch}", count, kind="count")
+    assert abs(sum(reads.values()) - TABLE_4[context]) <= TABLE_4_SLACK, (
+        f"cached decode reads at context {context}: {reads}, Table 4 says {TABLE_4[context]}")
+    assert_reads_are_counts(out.reads, out.indices, [context - 1], cfg, 0, 0, 0)
+
+
+def cache_or_skip(impl):
+    if not impl.has("NSADecodeCache"):
+        pytest.skip(f"not applicable: {impl.name} has no NSADecodeCache (an optional stage)")
+    return impl.NSADecodeCache
+
+
+@given(data=st.data())
+def test_cached_decode_equals_prefill(impl, preset, device, record_metric, data):
+    """prefill(P tokens), then step (1 token) / extend (chunks): every call == the prefill of all T tokens at its
+    positions (outputs within float64 rounding; indices and counted reads identical)."""
+    cache = cache_or_skip(impl)
+    impl.require("nsa_forward")
+    cfg = data.draw(configs(preset), label="cfg")
+    T = data.draw(lengths(cfg, low=2, high=40), label="T")
+    P = data.draw(st.integers(1, T - 1), label="prompt")
+    chunks, left = [], T - P
+    while left:
+        chunks.append(min(left, data.draw(st.sampled_from([1, 1, 2, 3, 5]), label="chunk")))
+        left -= chunks[-1]
+    seed = data.draw(st.integers(0, 2**20), label="seed")
+    show_reproducer(impl.spec, cfg, f"# prompt {P}, then chunks {chunks}; see test_cached_decode_equals_prefill\n"
+                    f"dec = impl.NSADecodeCache(cfg, 2, {T}, dtype=torch.float64, device='cpu', phi=x.phi)",
+                    T=T, B=2, seed=seed, shared_kv=impl.shared_kv)
+    x = make_inputs(cfg, T, B=2, seed=seed, device=device, shared_kv=impl.shared_kv)
+    pre = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)
+    decoder = cache(cfg, 2, T, dtype=torch.float64, device=device, phi=x.phi)
+
+    def part(a: int, b: int):
+        kv = BranchKV(*(type(br)(br.k[:, a:b], br.v[:, a:b]) for br in (x.kv.cmp, x.kv.slc, x.kv.win)))
+        return x.q[:, a:b], kv, x.gates[:, a:b]
+
+    calls = [("prefill", 0, P)]
+    for c in chunks:
+        calls.append(("step" if c == 1 else "extend", calls[-1][2], calls[-1][2] + c))
+    worst = 0.0
+    for how, a, b in calls:
+        out = getattr(decoder, how)(*part(a, b))
+        where = f"{how} of positions {a}..{b - 1} (prompt {P}, chunks {chunks})"
+        assert torch.equal(out.indices, pre.indices[:, a:b]), (
+            f"{where}: indices {out.indices.tolist()} != prefill {pre.indices[:, a:b].tolist()}")
+        for field in ("o", "o_cmp", "o_slc", "o_win"):
+            got, want = getattr(out, field).double(), getattr(pre, field)[:, a:b].double()
+            err = float((got - want).abs().max())
+            tol = RTOL * (1 + float(want.abs().max()))
+            worst = max(worst, err / tol)
+            assert err <= tol, f"{where}: {field} differs from prefill by {err:.3g}"
+        if out.reads is not None:
+            for branch in ("cmp", "slc", "win"):
+                assert torch.equal(getattr(out.reads, branch), getattr(pre.reads, branch)[:, a:b]), (
+                    f"{where}: reads.{branch} {getattr(out.reads, branch).tolist()} != prefill "
+                    f"{getattr(pre.reads, branch)[:, a:b].tolist()}")
+            check_all_reads(out, list(range(a, b)), cfg)
+    record_metric("cached_decode_vs_prefill", worst)
 
 
 @given(data=st.data())

@@ -11,6 +11,7 @@ the window size) and at random; end to end, per branch stage, and for a chunked 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -233,3 +234,29 @@ def test_decode_chunk(impl, preset, device, data):
         for field in ("o", "o_cmp", "o_slc", "o_win", "indices"):
             assert_prefix_equal(f"decode {field} (query rows)", getattr(a, field), getattr(b, field), s - first)
         assert_grads_equal(ga, gb, s)
+
+
+@given(data=st.data())
+def test_cached_decode_chunk(impl, preset, device, data):
+    """NSADecodeCache (optional stage): after a prompt, extend() by a chunk; a query of the chunk ignores the
+    chunk's later keys, queries and gates (outputs bitwise)."""
+    if not impl.has("NSADecodeCache"):
+        pytest.skip(f"not applicable: {impl.name} has no NSADecodeCache (an optional stage)")
+    cfg, T, B, seed = draw_case(data, preset, low=3)
+    P = data.draw(st.integers(1, T - 2), label="prompt")
+    s = data.draw(st.integers(P + 1, T - 1), label="cut")
+    show_reproducer(impl.spec, cfg, f"dec = impl.NSADecodeCache(cfg, {B}, {T}, dtype=torch.float64, device='cpu', "
+                    f"phi=x.phi)  # prefill {P} tokens, extend by {T - P}, perturb positions >= {s}",
+                    T=T, B=B, seed=seed, shared_kv=impl.shared_kv)
+
+    def run(x: Inputs):
+        decoder = impl.NSADecodeCache(cfg, B, T, dtype=torch.float64, device=device, phi=x.phi)
+        for a, b, how in ((0, P, "prefill"), (P, T, "extend")):
+            kv = BranchKV(*(KV(br.k[:, a:b], br.v[:, a:b]) for br in (x.kv.cmp, x.kv.slc, x.kv.win)))
+            out = getattr(decoder, how)(x.q[:, a:b], kv, x.gates[:, a:b])
+        return out
+
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
+    a, b = run(x), run(perturb_from(x, s, seed=seed + s))
+    for field in ("o", "o_cmp", "o_slc", "o_win", "indices"):
+        assert_prefix_equal(f"cached extend {field} (chunk rows)", getattr(a, field), getattr(b, field), s - P)

@@ -190,10 +190,11 @@ class VerdictPlugin:
                 f"hypothesis profile={i['hypothesis_profile']}")
 
     def _table_lines(self) -> list[str]:
-        rows = [("Property", "Equation", "Verdict", "pass/fail/not covered", "Worst error ratio")]
+        rows = [("Property", "Equation", "Verdict", "pass/fail/not covered/n.a.", "Worst error ratio")]
         for r in self._ordered():
             worst = "-" if r.worst_ratio is None else f"{r.worst_ratio:.3g}"
-            rows.append((r.name, r.equation, r.verdict, f"{r.passed}/{r.failed}/{r.not_covered}", worst))
+            rows.append((r.name, r.equation, r.verdict,
+                         f"{r.passed}/{r.failed}/{r.not_covered}/{r.not_applicable}", worst))
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -267,13 +268,13 @@ class VerdictPlugin:
                  f"- hypothesis profile: `{payload['hypothesis_profile']}`; torch {payload['torch']}; "
                  f"python {payload['python']}; {payload['date']}",
                  f"- {payload['baseline']}", "",
-                 "| Property | Equation | Verdict | pass/fail/not covered | Worst error ratio |",
+                 "| Property | Equation | Verdict | pass/fail/not covered/n.a. | Worst error ratio |",
                  "|---|---|---|---|---|"]
         for r in payload["properties"]:
             t = r["tests"]
             worst = "-" if r["worst_error_ratio"] is None else f"{r['worst_error_ratio']:.3g}"
             lines.append(f"| {r['property']} | {r['equation']} | {r['verdict']} | "
-                         f"{t['passed']}/{t['failed']}/{t['not_covered']} | {worst} |")
+                         f"{t['passed']}/{t['failed']}/{t['not_covered']}/{t['not_applicable']} | {worst} |")
         details = [r for r in payload["properties"] if r["failures"] or r["not_covered_reasons"]
                    or r["baseline_regressions"] or r["counts"]]
         if details:

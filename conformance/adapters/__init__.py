@@ -5,6 +5,10 @@ under their contract names (docs/api.md). `--impl` takes `reference`, `optimized
 `package.module:attr` (attr may be a module, a class instance or a namespace). A property whose stages
 the implementation lacks is reported NOT COVERED, never PASS. docs/adapters.md explains how to write one.
 
+Besides the contract's functions, a stateful decoder is a stage: `NSADecodeCache(cfg, batch_size, capacity,
+*, dtype, device, phi)` with `prefill(q, kv, gates)`, `step(q, kv, gates)` (one token) and
+`extend(q, kv, gates)` (a chunk), each returning the NSAOutput of its queries (optimized.decode).
+
 Optional attributes an implementation may expose besides its stages:
 - NAME: a short name for the reports (default: the --impl value).
 - SHARED_KV = True: its branches share one k/v (the suite then builds inputs with BranchKV.shared).
@@ -33,7 +37,10 @@ STAGES = (
     "nsa_forward",
     "decode_step",
     "NSAAttention",
+    "NSADecodeCache",
 )
+# Where a stage may live besides the target's top level (dotted: a submodule of a module target).
+STAGE_ALTERNATIVES = {"NSADecodeCache": ("decode.NSADecodeCache",)}
 
 NOT_COVERED = "NOT COVERED"
 
@@ -103,10 +110,32 @@ def load_impl(spec: str) -> Implementation:
             raise ValueError(f"--impl {spec!r}: cannot load {attr!r} from {module_name!r}: {exc}") from exc
     else:
         raise ValueError(f"--impl {spec!r}: expected 'reference', 'optimized' or 'package.module:attr'")
-    stages = {name: getattr(target, name) for name in STAGES if getattr(target, name, None) is not None}
+    stages = {}
+    for name in STAGES:
+        for where in (name, *STAGE_ALTERNATIVES.get(name, ())):
+            found = _lookup(target, where)
+            if found is not None:
+                stages[name] = found
+                break
     name = str(getattr(target, "NAME", spec))
     return Implementation(name=name, target=target, stages=stages, spec=spec,
                           shared_kv=bool(getattr(target, "SHARED_KV", False)))
+
+
+def _lookup(target: Any, dotted: str) -> Any:
+    """target.a.b..., importing submodules of a module target on the way; None if absent."""
+    obj = target
+    for part in dotted.split("."):
+        nxt = getattr(obj, part, None)
+        if nxt is None and inspect.ismodule(obj) and hasattr(obj, "__path__"):
+            try:
+                nxt = importlib.import_module(f"{obj.__name__}.{part}")
+            except ImportError:
+                nxt = None
+        if nxt is None:
+            return None
+        obj = nxt
+    return obj
 
 
 def file_stem(name: str) -> str:
