@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="paper: the issue-8 H100 sweep; tiny: CPU-sized shapes of the same code paths")
     run.add_argument("--seq-lens", type=parse_seq_lens, help="comma list, e.g. 8k,16k,32k,64k,128k")
     run.add_argument("--batch", type=int)
-    run.add_argument("--repeats", type=int, help="timed runs per round (>= 20 for reported GPU numbers)")
+    run.add_argument("--repeats", type=int, help="timed runs per round (rounds x repeats >= 20 for reported numbers)")
     run.add_argument("--rounds", type=int, help="rounds per case; their spread sizes the regression threshold")
     run.add_argument("--warmup", type=int)
     run.add_argument("--time-budget", type=float, help="seconds; cases that would end past it are skipped")
@@ -141,6 +141,9 @@ def cmd_run(args) -> int:
     print(f"perf: {env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
           f"spec {spec.name} T={list(spec.seq_lens)} | impls {args.impls} | budget {spec.time_budget_s:.0f} s")
 
+    if spec.rounds * spec.repeats < 20:
+        print(f"perf: note: {spec.rounds} rounds x {spec.repeats} runs = {spec.rounds * spec.repeats} timed runs per "
+              f"case, fewer than the 20 the issue asks for reported numbers")
     runner = Runner(spec, device, with_sdpa, variants)
     ceilings = runner.measure_ceilings()
     rows = runner.run()

@@ -282,9 +282,10 @@ def markdown(rows: list[Row], meta: dict, plot_dir_rel: str) -> str:
     seq_lens = sorted({r.seq_len for r in rows})
     idx = _index(rows)
     out = [BEGIN, ""]
-    smi = env.get("nvidia_smi") or {}
-    out.append(f"Device: **{env.get('device', '?')}** (SM clock {smi.get('clocks.sm', '?')} / max "
-               f"{smi.get('clocks.max.sm', '?')} MHz at start), torch {env.get('torch', '?')}, triton "
+    smi, smi_end = env.get("nvidia_smi") or {}, env.get("nvidia_smi_end") or {}
+    clocks = (f" (SM clock {smi.get('clocks.sm', '?')} MHz at start, {smi_end.get('clocks.sm', '?')} at end, max "
+              f"{smi.get('clocks.max.sm', '?')}; {smi.get('power.limit', '?')} W limit)" if smi else "")
+    out.append(f"Device: **{env.get('device', '?')}**{clocks}, torch {env.get('torch', '?')}, triton "
                f"{env.get('triton', '?')}, CUDA {env.get('cuda', '?')}, commit `{env.get('git_commit', '?')}`, "
                f"{env.get('started_utc', '?')}.")
     if ceil:

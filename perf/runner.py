@@ -88,7 +88,7 @@ class Runner:
     def measure_ceilings(self) -> Ceilings:
         spec = self.spec
         self.ceilings = measure_ceilings(self.timer, spec.torch_dtype, spec.dtype, spec.matmul_size, spec.copy_bytes,
-                                         spec.repeats, spec.warmup)
+                                         spec.repeats * spec.rounds, max(1, spec.warmup))
         c = self.ceilings
         self.log(f"ceilings: matmul {c.matmul_size}^3 {c.dtype}: {c.matmul_tflops:.1f} TFLOP/s "
                  f"({c.matmul_median_ms:.3f} ms); copy {c.copy_bytes / 2**20:.0f} MiB: {c.copy_gbps:.1f} GB/s")

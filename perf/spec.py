@@ -35,9 +35,9 @@ class BenchSpec:
     batch: int = 1
     dtype: str = "bfloat16"
     phi_hidden: int | None = None  # hidden width of the Eq. 7 phi MLP; None = d_k (NSAAttention's default)
-    repeats: int = 20  # timed runs per round (median of >= 20 on the GPU)
-    warmup: int = 3  # untimed runs before each round (compilation, autotuning, allocator warm-up)
-    rounds: int = 2  # independent rounds per case; spread = (max - min) / min of the round medians
+    repeats: int = 10  # timed runs per round; the reported median is over all rounds x repeats runs (>= 20)
+    warmup: int = 2  # untimed runs after the first call (compilation, autotuning, allocator warm-up)
+    rounds: int = 2  # rounds per case; spread = (max - min) / min of the round medians
     flush_bytes: int = 256 * 2**20  # L2 flush buffer, zeroed before every timed run (H100 L2 = 50 MiB)
     time_budget_s: float = 450.0  # wall-clock budget of the sweep; cases that would exceed it are skipped
     sdpa_gqa: str = "expand"  # "expand": k/v repeated to the query heads before timing; "enable_gqa": SDPA's flag
