@@ -18,7 +18,7 @@ from .env import describe, nvidia_smi, slug
 from .flops import StageWork, selected_token_count
 from .implementations import parse_impls
 from .report import make_report
-from .results import ERROR, merge_rows, read_meta, read_rows, write_rows, RESULTS_CSV
+from .results import ERROR, OK, OOM, RESULTS_CSV, merge_rows, read_meta, read_rows, write_rows
 from .runner import Runner
 from .spec import LAYER, NSA_STAGES, PASSES, preset
 
@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--passes", type=_names(PASSES, "--passes"), help=f"subset of {PASSES}")
     run.add_argument("--out", type=Path, help="results folder (default reports/perf, or $OUT/perf when $OUT is set)")
     run.add_argument("--merge", action="store_true", help="keep rows of --out that this sweep does not measure")
+    run.add_argument("--resume", action="store_true", help="run only the cases --out lacks or skipped (time "
+                     "budget, error) and merge; repeat until nothing is skipped")
     run.add_argument("--readme", type=Path, help="rewrite the PERF section of this README (without --out: "
                      "reports/README.md, or $OUT/README.md when $OUT is set; with --out: none)")
     run.add_argument("--compare-baseline", action="store_true", help="fail (exit 1) on a regression")
@@ -144,29 +146,30 @@ def cmd_run(args) -> int:
     if spec.rounds * spec.repeats < 20:
         print(f"perf: note: {spec.rounds} rounds x {spec.repeats} runs = {spec.rounds * spec.repeats} timed runs per "
               f"case, fewer than the 20 the issue asks for reported numbers")
+    old_meta = read_meta(out_dir) if (args.merge or args.resume) else {}
+    if old_meta and old_meta.get("shape_key") != spec.shape_key():
+        raise ValueError(f"--merge/--resume: {out_dir} holds results of different shapes/config; use another --out")
+    old_rows = read_rows(out_dir / RESULTS_CSV) if old_meta and (out_dir / RESULTS_CSV).exists() else []
+    done = frozenset(r.key for r in old_rows if r.status in (OK, OOM)) if args.resume else frozenset()
     runner = Runner(spec, device, with_sdpa, variants)
     ceilings = runner.measure_ceilings()
-    rows = runner.run()
+    rows = runner.run(done)
     if device.type == "cuda":
         env["nvidia_smi_end"] = nvidia_smi(device.index or 0)
     skipped = [r for r in rows if r.status == "skipped"]
     meta = {"env": env, "spec": spec.to_dict(), "shape_key": spec.shape_key(), "ceilings": ceilings.to_dict(),
             "impls": args.impls, "nsa_impl": args.nsa_impl, "elapsed_s": runner.elapsed(),
             "skipped_cases": len(skipped)}
-    if args.merge:
-        old_meta = read_meta(out_dir)
-        if old_meta and old_meta.get("shape_key") != meta["shape_key"]:
-            raise ValueError(f"--merge: {out_dir} holds results of different shapes/config; use another --out")
-        old = read_rows(out_dir / RESULTS_CSV) if (out_dir / RESULTS_CSV).exists() else []
-        rows = merge_rows(old, rows)
-        meta["merged_runs"] = old_meta.get("merged_runs", [old_meta.get("env")] if old_meta else []) + [env]
+    if old_meta:
+        rows = merge_rows(old_rows, rows)
+        meta["merged_runs"] = old_meta.get("merged_runs", [old_meta.get("env")]) + [env]
     write_rows(rows, out_dir, meta)
     make_report(read_rows(out_dir / RESULTS_CSV), out_dir, readme)  # the reports show what the CSV holds
     print(f"perf: wrote {out_dir}/ ({len(rows)} rows, {len(skipped)} skipped by the time budget) in "
           f"{runner.elapsed():.0f} s")
     if skipped:
-        print(f"perf: {len(skipped)} case(s) skipped by the {spec.time_budget_s:.0f} s budget; rerun them with "
-              f"--seq-lens ... --merge (e.g. the longest T alone)")
+        print(f"perf: {len(skipped)} case(s) skipped by the {spec.time_budget_s:.0f} s budget; run the same "
+              f"command with --resume to measure them and merge")
 
     status = 0
     if args.compare_baseline and baseline_file.exists():

@@ -1,11 +1,16 @@
 """The sweep: ceilings, then every case in priority order, inside a wall-clock budget.
 
 Order: phase 1 times the whole layer (SDPA and every NSA variant, fwd and fwd_bwd) for every T, so the
-headline speedups are measured first; phase 2 times the NSA stages for every T. Before timing a case the
-runner warms it up and estimates its cost (last warm-up run * repeats * rounds); a case that would end past
-the budget is recorded as skipped with the estimate, and the sweep goes on with cheaper cases. Each case
-runs in its own memory accounting (peak stats reset, inputs built inside); an out-of-memory case is recorded
-as "oom" and any other exception as "error" (with its message), and the sweep continues.
+headline speedups are measured first; phase 2 times the NSA stages for every T.
+
+Budget: before each warm-up call and before the timed rounds, the runner checks that the calls still to
+make (at the last measured time per call) end inside the budget; a case that would not is recorded as
+skipped with its estimate, and the sweep goes on with cheaper cases. A case whose previous-T time, scaled
+as T^2, already cannot fit is skipped before its inputs are built. `--resume` runs the skipped cases in a
+later command and merges the rows.
+
+Each case runs in its own memory accounting (peak stats reset, inputs built inside); an out-of-memory case
+is recorded as "oom" and any other exception as "error" (with its message), and the sweep continues.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Runner:
             torch.set_num_threads(spec.cpu_threads)
         self.timer = Timer(device, spec.flush_bytes)
         self.ceilings: Ceilings | None = None
+        self._call_s: dict[tuple[str, str, str], tuple[int, float]] = {}  # last (T, seconds per call) per case
         self.started = time.perf_counter()
 
     # budget -----------------------------------------------------------------------------------------
@@ -94,12 +100,17 @@ class Runner:
                  f"({c.matmul_median_ms:.3f} ms); copy {c.copy_bytes / 2**20:.0f} MiB: {c.copy_gbps:.1f} GB/s")
         return c
 
-    def run(self) -> list[Row]:
+    def run(self, done: frozenset[str] = frozenset()) -> list[Row]:
+        """Every planned case except those whose row key is in `done` (measured by an earlier sweep)."""
         if self.ceilings is None:
             self.measure_ceilings()
         rows = []
         for plan in self.plan():
-            row = self.run_case(plan)
+            row = Row(seq_len=plan.seq_len, impl=plan.impl, stage=plan.stage, pass_name=plan.pass_name,
+                      status=SKIPPED, workload=self.workload)
+            if row.key in done:
+                continue
+            self.run_case(plan, row)
             rows.append(row)
             self.log(_describe(row))
         return rows
@@ -111,12 +122,37 @@ class Runner:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def run_case(self, plan: Plan) -> Row:
+    def _predicted_call_s(self, plan: Plan) -> float | None:
+        """Seconds per call predicted from the same case at the previous T, scaled as T^2 (attention's upper
+        bound), so a case that cannot fit is skipped before its inputs are even built."""
+        previous = self._call_s.get((plan.impl, plan.stage, plan.pass_name))
+        if previous is None:
+            return None
+        T0, seconds = previous
+        return seconds * (plan.seq_len / T0) ** 2
+
+    def _skip(self, row: Row, per_call_s: float, calls: int, how: str) -> bool:
+        """Mark row skipped when `calls` more calls of per_call_s would end past the budget."""
+        cost = per_call_s * calls
+        if cost <= self.remaining():
+            return False
+        row.status = SKIPPED
+        row.note = (f"skipped by the time budget: {calls} more calls of ~{per_call_s * 1e3:.0f} ms ({how}) need "
+                    f"~{cost:.0f} s, {max(0.0, self.remaining()):.0f} s of {self.spec.time_budget_s:.0f} s left")
+        return True
+
+    def run_case(self, plan: Plan, row: Row) -> Row:
+        """Fill row with the case's timing (or its skip / OOM / error) and its work and floors."""
         spec = self.spec
-        row = Row(seq_len=plan.seq_len, impl=plan.impl, stage=plan.stage, pass_name=plan.pass_name,
-                  status=SKIPPED, workload=self.workload)
+        timed_calls = spec.repeats * spec.rounds
+        predicted = self._predicted_call_s(plan)
         if self.remaining() <= 0:
-            row.note = f"time budget of {spec.time_budget_s:.0f} s used up before this case"
+            row.note = f"skipped: the time budget of {spec.time_budget_s:.0f} s was used up before this case"
+            self._fill_work(row)
+            return row
+        if predicted is not None and self._skip(row, predicted, 1 + spec.warmup + timed_calls,
+                                                "predicted from the previous T as T^2"):
+            self._fill_work(row)
             return row
         self._reset_memory()
         if self.is_cuda:
@@ -124,23 +160,24 @@ class Runner:
         prepared = None
         try:
             inputs = WORKLOADS[self.workload](spec, plan.seq_len, self.device, seed=plan.seq_len)
-            prepared = plan.build(inputs)
+            started = time.perf_counter()
+            prepared = plan.build(inputs)  # includes the first call (compilation, autotuning)
+            estimate = time.perf_counter() - started
             del inputs
             row.note = prepared.note
             row.selected_tokens = prepared.token_count
-            estimate = 0.0
-            for _ in range(max(1, spec.warmup)):
+            skipped = False
+            for done_warmups in range(spec.warmup):
+                if self._skip(row, estimate, spec.warmup - done_warmups + timed_calls, "measured"):
+                    skipped = True
+                    break
                 estimate = self.timer.wall_once(prepared.run)
-            cost = estimate * spec.repeats * spec.rounds
-            if cost > self.remaining():
-                row.note = (f"skipped: needs ~{cost:.0f} s ({spec.rounds} x {spec.repeats} runs of "
-                            f"{estimate * 1e3:.1f} ms), {max(0.0, self.remaining()):.0f} s of the "
-                            f"{spec.time_budget_s:.0f} s budget left")
-                row.status = SKIPPED
-            else:
+            if not skipped and not self._skip(row, estimate, timed_calls, "measured"):
                 rounds = [self.timer.measure(prepared.run, spec.repeats) for _ in range(spec.rounds)]
                 self._fill_timing(row, rounds)
                 row.status = OK
+                row.note = prepared.note
+                self._call_s[(plan.impl, plan.stage, plan.pass_name)] = (plan.seq_len, row.median_ms * 1e-3)
         except Exception as exc:  # noqa: BLE001 - every failure is recorded and the sweep goes on
             if _is_oom(exc):
                 row.status = OOM

@@ -203,10 +203,19 @@ def test_tiny_sweep_end_to_end(tmp_path, one_thread, capsys):
     assert "regression" in capsys.readouterr().out
 
 
-def test_time_budget_skips_cases_and_says_so(tmp_path, one_thread):
+def test_time_budget_skips_cases_and_resume_measures_them(tmp_path, one_thread):
     out = tmp_path / "perf"
-    assert main(["run", "--device", "cpu", "--preset", "tiny", "--seq-lens", "64", "--stages", "gate",
-                 "--time-budget", "1e-9", "--out", str(out)]) == 0
+    args = ["run", "--device", "cpu", "--preset", "tiny", "--seq-lens", "64", "--stages", "gate", "--passes", "fwd",
+            "--repeats", "2", "--out", str(out)]
+    assert main(args + ["--time-budget", "1e-9"]) == 0
     rows = read_rows(out / "results.csv")
-    assert rows and all(r.status == SKIPPED and "budget" in r.note for r in rows)
-    assert all(r.median_ms is None for r in rows)
+    assert len(rows) == 3 and all(r.status == SKIPPED and "budget" in r.note and r.median_ms is None for r in rows)
+
+    assert main(args + ["--resume"]) == 0
+    resumed = read_rows(out / "results.csv")
+    assert sorted(r.key for r in resumed) == sorted(r.key for r in rows)
+    assert all(r.status == OK for r in resumed)
+    first = {r.key: r.median_ms for r in resumed}
+    assert main(args + ["--resume", "--stages", "gate,window"]) == 0  # only the window case is new
+    again = read_rows(out / "results.csv")
+    assert len(again) == 4 and all(first[r.key] == r.median_ms for r in again if r.key in first)
