@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "budget, error) and merge; repeat until nothing is skipped")
     run.add_argument("--readme", type=Path, help="rewrite the PERF section of this README (without --out: "
                      "reports/README.md, or $OUT/README.md when $OUT is set; with --out: none)")
+    run.add_argument("--commit", help="commit id to record when the checkout has no .git (a copied tree)")
     run.add_argument("--compare-baseline", action="store_true", help="fail (exit 1) on a regression")
     run.add_argument("--update-baseline", action="store_true", help="write this sweep as the new baseline")
     run.add_argument("--baseline", type=Path, help="baseline to compare with (default "
@@ -136,6 +137,8 @@ def cmd_run(args) -> int:
     readme = args.readme or (None if args.out else (root / "README.md" if root else DEFAULT_README))
 
     env = describe(device)
+    if args.commit:
+        env["git_commit"] = args.commit if env["git_commit"] is None else f"{env['git_commit']} (given {args.commit})"
     device_slug = slug(env["device"])
     baseline_file = args.baseline or gate.baseline_path(DEFAULT_BASELINES, device_slug, spec.name)
     if args.compare_baseline and not args.update_baseline and not baseline_file.exists():

@@ -320,7 +320,8 @@ def markdown(rows: list[Row], meta: dict, plot_dir_rel: str) -> str:
             out.append("| " + " | ".join(cells) + " |")
     out.append("")
 
-    out += ["### Per stage: time, achieved TFLOP/s, fraction of the measured peak, floors", ""]
+    out += ["### Per stage: time, achieved TFLOP/s, fraction of the measured peak, floors", "",
+            "<details><summary>every row of results.csv</summary>", ""]
     out.append("floor = max(useful FLOPs / measured matmul peak, compulsory bytes / measured copy bandwidth); "
                "backward FLOPs follow the convention in perf/flops.py (attention 2.5x forward).")
     out.append("")
@@ -337,7 +338,7 @@ def markdown(rows: list[Row], meta: dict, plot_dir_rel: str) -> str:
                  f"{r.median_ms / r.floor_ms:.1f}" if r.status == OK and r.floor_ms else "-",
                  _gib(r.peak_mem_bytes), r.note.replace("|", "/")]
         out.append("| " + " | ".join(cells) + " |")
-    out.append("")
+    out += ["", "</details>", ""]
     spreads = sorted(r.spread for r in rows if r.spread is not None)
     if spreads:
         out.append(f"Run-to-run spread between rounds over {len(spreads)} cases: median "
