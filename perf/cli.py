@@ -18,7 +18,7 @@ from .env import describe, nvidia_smi, slug
 from .flops import StageWork, selected_token_count
 from .implementations import parse_impls
 from .report import make_report
-from .results import ERROR, OK, OOM, RESULTS_CSV, merge_rows, read_meta, read_rows, write_rows
+from .results import ERROR, OK, OOM, RESULTS_CSV, Row, merge_rows, read_meta, read_rows, write_rows
 from .runner import Runner
 from .spec import LAYER, NSA_STAGES, PASSES, preset
 
@@ -156,16 +156,20 @@ def cmd_run(args) -> int:
     done = frozenset(r.key for r in old_rows if r.status in (OK, OOM)) if args.resume else frozenset()
     runner = Runner(spec, device, with_sdpa, variants)
     ceilings = runner.measure_ceilings()
-    rows = runner.run(done)
+    meta = {"env": env, "spec": spec.to_dict(), "shape_key": spec.shape_key(), "ceilings": ceilings.to_dict(),
+            "impls": args.impls, "nsa_impl": args.nsa_impl}
+    if old_meta:
+        meta["merged_runs"] = old_meta.get("merged_runs", [old_meta.get("env")]) + [env]
+
+    def save(new_rows: list[Row]) -> None:
+        write_rows(merge_rows(old_rows, new_rows) if old_meta else new_rows, out_dir, meta)
+
+    rows = runner.run(done, on_row=save)
     if device.type == "cuda":
         env["nvidia_smi_end"] = nvidia_smi(device.index or 0)
     skipped = [r for r in rows if r.status == "skipped"]
-    meta = {"env": env, "spec": spec.to_dict(), "shape_key": spec.shape_key(), "ceilings": ceilings.to_dict(),
-            "impls": args.impls, "nsa_impl": args.nsa_impl, "elapsed_s": runner.elapsed(),
-            "skipped_cases": len(skipped)}
-    if old_meta:
-        rows = merge_rows(old_rows, rows)
-        meta["merged_runs"] = old_meta.get("merged_runs", [old_meta.get("env")]) + [env]
+    meta.update(elapsed_s=runner.elapsed(), skipped_cases=len(skipped))
+    rows = merge_rows(old_rows, rows) if old_meta else rows
     write_rows(rows, out_dir, meta)
     make_report(read_rows(out_dir / RESULTS_CSV), out_dir, readme)  # the reports show what the CSV holds
     print(f"perf: wrote {out_dir}/ ({len(rows)} rows, {len(skipped)} skipped by the time budget) in "

@@ -100,8 +100,10 @@ class Runner:
                  f"({c.matmul_median_ms:.3f} ms); copy {c.copy_bytes / 2**20:.0f} MiB: {c.copy_gbps:.1f} GB/s")
         return c
 
-    def run(self, done: frozenset[str] = frozenset()) -> list[Row]:
-        """Every planned case except those whose row key is in `done` (measured by an earlier sweep)."""
+    def run(self, done: frozenset[str] = frozenset(),
+            on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
+        """Every planned case except those whose row key is in `done` (measured by an earlier sweep).
+        on_row(rows so far) runs after each case (the CLI saves the CSV there, so a killed sweep keeps its rows)."""
         if self.ceilings is None:
             self.measure_ceilings()
         rows = []
@@ -113,6 +115,8 @@ class Runner:
             self.run_case(plan, row)
             rows.append(row)
             self.log(_describe(row))
+            if on_row is not None:
+                on_row(rows)
         return rows
 
     def _reset_memory(self) -> None:
