@@ -21,21 +21,12 @@ from reference.contract import KV
 
 from .. import masks, scoring
 from . import attention, kernels
-from .buffers import TokenBuffer, ring_slot_positions
+from .buffers import TokenBuffer
 
 
 class BranchResult(NamedTuple):
     o: Tensor  # [B, TQ, Hq, dv]
     reads: Tensor  # int64 [B, TQ, Hkv]
-
-
-def query_positions(lengths: Tensor, n_new: Tensor, n_queries: int) -> tuple[Tensor, Tensor]:
-    """(positions [B, TQ], valid [B, TQ]): query i of row b sits at lengths[b] + i if i < n_new[b]; padding
-    queries get position -1."""
-    offsets = torch.arange(n_queries, device=lengths.device)[None, :]
-    valid = offsets < n_new[:, None]
-    positions = torch.where(valid, lengths[:, None] + offsets, torch.full_like(offsets, -1))
-    return positions, valid
 
 
 # Compressed branch (Eq. 7 visibility, Eq. 2) and the logits Eq. 8 reuses ---------------------------------------
@@ -97,27 +88,9 @@ def selected_branch(q: Tensor, history: TokenBuffer, indices: Tensor, positions:
 
 
 # Window branch (Section 3.3.3) ---------------------------------------------------------------------------------
-def window_keys_after_write(ring: TokenBuffer, lengths_after: Tensor) -> tuple[KV, Tensor]:
-    """The ring as the key set (its new tokens already written) and the position of each slot [B, R]."""
-    return ring.usable(), ring_slot_positions(lengths_after, ring.slots)
-
-
-def window_keys_with_chunk(ring: TokenBuffer, lengths: Tensor, n_new: Tensor, k_new: Tensor,
-                           v_new: Tensor) -> tuple[KV, Tensor]:
-    """The ring before the call followed by the call's new keys, and their positions [B, R + TQ]."""
-    TQ = k_new.shape[1]
-    new_positions, _ = query_positions(lengths, n_new, TQ)
-    keys = KV(torch.cat([ring.k[:, :, : ring.slots], k_new.transpose(1, 2).to(ring.k.dtype)], dim=2),
-              torch.cat([ring.v[:, :, : ring.slots], v_new.transpose(1, 2).to(ring.v.dtype)], dim=2))
-    positions = torch.cat([ring_slot_positions(lengths, ring.slots), new_positions], dim=1)
-    return keys, positions
-
-
-def window_branch(q: Tensor, keys: KV, key_positions: Tensor, positions: Tensor, cfg: NSAConfig,
-                  use_kernel: bool) -> BranchResult:
-    """Attention over the window keys the seam admits for each query (key positions < 0 never exist)."""
-    admitted = masks.window_key_visible(key_positions[:, None, :], positions[:, :, None], cfg)
-    admitted = admitted & (key_positions >= 0)[:, None, :]  # [B, TQ, K]
+def window_branch(q: Tensor, keys: KV, admitted: Tensor, use_kernel: bool) -> BranchResult:
+    """Attention over the window keys (k [B, Hkv, K, dk]) each query admits (admitted [B, TQ, K], from the window
+    seam in plan.plan_call)."""
     if use_kernel:
         o, _, reads = kernels.masked_decode(q, keys.k, keys.v, admitted, want_logits=False)
         return BranchResult(o, reads)

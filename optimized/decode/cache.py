@@ -26,8 +26,9 @@ from ..forward import gated_sum, nsa_forward
 from ..masked_attention import CHUNK_ELEMENTS
 from ..selected import BACKENDS
 from . import branches, kernels
-from .buffers import TokenBuffer, history_write_slots, ring_slot_positions, ring_write_slots
-from .emission import complete_blocks, emit_compressed
+from .buffers import TokenBuffer, ring_slot_positions
+from .emission import complete_blocks
+from .plan import plan_call
 
 RowCounts = Tensor | Sequence[int] | None
 
@@ -45,11 +46,13 @@ class NSADecodeCache:
     one token per row; extend(...) appends a chunk of TQ tokens per row (its queries are the last TQ positions).
     Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
     each branch gathered. backend: "torch" (any device), "triton" (the decode kernels; CPU needs
-    TRITON_INTERPRET=1) or "auto" (kernels on CUDA).
+    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). compile=True runs the torch stages of a call (planning, the
+    Eq. 8-11 seams, the gates) through torch.compile (one compilation per shape; for long GPU decodes).
     """
 
     def __init__(self, cfg: NSAConfig, batch_size: int, capacity: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", phi: PhiWeights | None = None, backend: str = "auto"):
+                 device: torch.device | str = "cpu", phi: PhiWeights | None = None, backend: str = "auto",
+                 compile: bool = False):
         if not isinstance(cfg, NSAConfig):
             raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
@@ -73,6 +76,11 @@ class NSADecodeCache:
         self.window = TokenBuffer.empty(B, H, window_capacity(cfg), dk, dv, **shape)  # ring
         self.device_lengths = torch.zeros(B, dtype=torch.int64, device=self.device)
         self._lengths = torch.zeros(B, dtype=torch.int64)
+        # The pure torch stages of a call (the seams included); compile=True fuses each into a few kernels.
+        stages = (plan_call, branches.select, gate_real)
+        if compile:
+            stages = tuple(torch.compile(stage, dynamic=False) for stage in stages)
+        self._plan, self._select, self._gate = stages
 
     # State --------------------------------------------------------------------------------------------------
     @property
@@ -140,17 +148,10 @@ class NSADecodeCache:
         """Append a chunk: q [B, TQ, Hq, dk], kv (new keys/values of each branch [B, TQ, Hkv, D]), gates
         [B, TQ, Hq, 3]; lengths [B] real new tokens per row (default TQ). Query i of row b sits at position
         cache.lengths[b] + i and sees the cached keys and the chunk's keys up to itself."""
-        check_inputs(q, kv, gates, self.cfg)
-        self._check_kv("kv", kv, q.shape[1])
-        TQ = q.shape[1]
-        if TQ == 0:
-            raise ValueError("q must hold at least one new query (TQ >= 1)")
-        counts = self._row_counts("lengths", lengths, TQ)
+        counts = self.check_call(q, kv, gates, lengths)
         after = self._lengths + counts
-        if int(after.max()) > self.capacity:
-            raise ValueError(f"appending {counts.tolist()} tokens to rows holding {self._lengths.tolist()} exceeds "
-                             f"NSADecodeCache.capacity = {self.capacity}")
-        out = self.advance(q, kv, gates, counts.to(self.device), max(1, int(after.max())))
+        emit = bool((complete_blocks(after, self.cfg) > complete_blocks(self._lengths, self.cfg)).any())
+        out = self.advance(q, kv, gates, counts.to(self.device), max(1, int(after.max())), emit=emit)
         self._lengths.copy_(after)
         return out
 
@@ -161,40 +162,53 @@ class NSADecodeCache:
                              "use extend for chunks")
         return self.extend(q, kv, gates, lengths)
 
-    def advance(self, q: Tensor, kv: BranchKV, gates: Tensor, n_new: Tensor, bound: int) -> NSAOutput:
+    def advance(self, q: Tensor, kv: BranchKV, gates: Tensor, n_new: Tensor, bound: int, *,
+                emit: bool = True) -> NSAOutput:
         """The decode call on validated inputs, without host synchronisation (a CUDA graph can capture it):
         n_new [B] int64 on the cache's device; bound = a static upper bound on every row's length after the call
-        (it sizes the compressed-token and selection-block ranges the call scans). Updates device_lengths only."""
+        (it sizes the compressed-token and selection-block ranges the call scans); emit=False skips Eq. 7 when no
+        row completes a compressed block. Advances device_lengths; the caller keeps the host copy
+        (set_host_lengths)."""
         cfg = self.cfg
-        TQ = q.shape[1]
         L = self.device_lengths
-        positions, real = branches.query_positions(L, n_new, TQ)
-        # Eq. 7: blocks completed by the new keys, compressed before the raw ring moves on.
-        emit_compressed(self.compressed, self.cmp_raw, L, n_new, kv.cmp.k, kv.cmp.v, cfg, self.phi)
-        self.cmp_raw.write(ring_write_slots(positions, real, self.cmp_raw.slots, self.cmp_raw.trash),
-                           kv.cmp.k, kv.cmp.v)
-        self.history.write(history_write_slots(positions, real, self.history.trash), kv.slc.k, kv.slc.v)
-        window_slots = ring_write_slots(positions, real, self.window.slots, self.window.trash)
-        if TQ == 1:  # the new key replaces the one leaving the window
-            self.window.write(window_slots, kv.win.k, kv.win.v)
-            win_keys, win_positions = branches.window_keys_after_write(self.window, L + n_new)
-        else:  # the chunk's first queries still need the keys its last tokens replace
-            win_keys, win_positions = branches.window_keys_with_chunk(self.window, L, n_new, kv.win.k, kv.win.v)
-            self.window.write(window_slots, kv.win.k, kv.win.v)
+        plan = self._plan(L, n_new, kv, self.cmp_raw.usable(), self.window.usable(), cfg, self.phi, emit=emit,
+                          history_trash=self.history.trash, compressed_trash=self.compressed.trash)
+        if plan.new_blocks is not None:
+            self.compressed.write(plan.new_blocks.slots, plan.new_blocks.k, plan.new_blocks.v)
+        self.cmp_raw.write(plan.raw_slots, kv.cmp.k, kv.cmp.v)
+        self.history.write(plan.history_slots, kv.slc.k, kv.slc.v)
+        self.window.write(plan.window_slots, kv.win.k, kv.win.v)
 
         use_kernels = self.use_kernels
-        visible = branches.compressed_visible(positions, complete_blocks(L + n_new, cfg),
-                                              masks.compressed_block_count(bound, cfg), cfg)
+        visible = branches.compressed_visible(plan.positions, plan.emitted, masks.compressed_block_count(bound, cfg),
+                                              cfg)
         cmp, logits = branches.compressed_branch(q, self.compressed, visible, use_kernels)
-        indices = branches.select(logits, visible, positions, scoring.sel_block_count(bound, cfg), cfg)
-        slc = branches.selected_branch(q, self.history, indices, positions, cfg,
+        indices = self._select(logits, visible, plan.positions, scoring.sel_block_count(bound, cfg), cfg)
+        slc = branches.selected_branch(q, self.history, indices, plan.positions, cfg,
                                        use_kernels and kernels.selected_rule_is_kernel_rule())
-        win = branches.window_branch(q, win_keys, win_positions, positions, cfg, use_kernels)
+        window_keys = plan.window_chunk if plan.window_chunk is not None else self.window.usable()
+        win = branches.window_branch(q, window_keys, plan.window_admitted, use_kernels)
         L.add_(n_new)
-        o = gated_sum(gates, cmp.o, slc.o, win.o)
-        return NSAOutput(o=torch.where(real[:, :, None, None], o, torch.zeros_like(o)), indices=indices,
-                         o_cmp=cmp.o, o_slc=slc.o, o_win=win.o, reads=Reads(cmp=cmp.reads, slc=slc.reads,
-                                                                                win=win.reads))
+        return NSAOutput(o=self._gate(gates, cmp.o, slc.o, win.o, plan.real), indices=indices, o_cmp=cmp.o,
+                         o_slc=slc.o, o_win=win.o, reads=Reads(cmp=cmp.reads, slc=slc.reads, win=win.reads))
+
+    def check_call(self, q: Tensor, kv: BranchKV, gates: Tensor, lengths: RowCounts) -> Tensor:
+        """Validate an extend/step call; returns the new tokens per row (CPU int64 [B])."""
+        check_inputs(q, kv, gates, self.cfg)
+        self._check_kv("kv", kv, q.shape[1])
+        TQ = q.shape[1]
+        if TQ == 0:
+            raise ValueError("q must hold at least one new query (TQ >= 1)")
+        counts = self._row_counts("lengths", lengths, TQ)
+        after = self._lengths + counts
+        if int(after.max()) > self.capacity:
+            raise ValueError(f"appending {counts.tolist()} tokens to rows holding {self._lengths.tolist()} exceeds "
+                             f"NSADecodeCache.capacity = {self.capacity}")
+        return counts
+
+    def set_host_lengths(self, lengths: Tensor) -> None:
+        """Record the rows' lengths after calls that ran without the host (DecodeGraph replays)."""
+        self._lengths.copy_(lengths)
 
     # Validation -----------------------------------------------------------------------------------------------
     def _check_kv(self, name: str, kv: BranchKV, length: int | None) -> None:
@@ -227,6 +241,12 @@ class NSADecodeCache:
             raise ValueError(f"{name} must be in 0..{limit} (tokens per row of a right-padded batch), "
                              f"got {values.tolist()}")
         return values
+
+
+def gate_real(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, real: Tensor) -> Tensor:
+    """Eq. 5 gated sum for the real queries (real [B, TQ]); padding queries get 0 whatever their gates hold."""
+    o = gated_sum(gates, o_cmp, o_slc, o_win)
+    return torch.where(real[:, :, None, None], o, torch.zeros_like(o))
 
 
 def _zero_padding(out: NSAOutput, real: Tensor) -> NSAOutput:

@@ -8,14 +8,15 @@ call) and from the call's new keys.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from reference.config import NSAConfig
-from reference.contract import PhiWeights
+from reference.contract import KV, PhiWeights
 
 from .. import compression
-from .buffers import TokenBuffer
 
 
 def complete_blocks(n_keys: Tensor, cfg: NSAConfig) -> Tensor:
@@ -30,18 +31,24 @@ def max_new_blocks(n_queries: int, cfg: NSAConfig) -> int:
     return -(-n_queries // cfg.cmp_stride)
 
 
-def emit_compressed(store: TokenBuffer, raw_ring: TokenBuffer, lengths: Tensor, n_new: Tensor, k_new: Tensor,
-                    v_new: Tensor, cfg: NSAConfig, phi: PhiWeights | None) -> None:
-    """Compress the blocks completed by the n_new[b] new raw keys k_new/v_new [B, TQ, Hkv, D] of each row (row b
-    held lengths[b] keys before) and write them to their slots i of `store` ([B, Hkv, N_cap + 1, D]).
+class NewBlocks(NamedTuple):
+    """Compressed tokens k [B, M, Hkv, dk], v [B, M, Hkv, dv] (sequence-first) and their store slots [B, M]
+    (the trash slot for the M candidates a row does not complete)."""
 
-    raw_ring must still hold the keys before the call (slot t mod R)."""
+    k: Tensor
+    v: Tensor
+    slots: Tensor
+
+
+def new_compressed_blocks(raw_ring: KV, lengths: Tensor, n_new: Tensor, k_new: Tensor, v_new: Tensor,
+                          cfg: NSAConfig, phi: PhiWeights | None, trash: int) -> NewBlocks:
+    """Compress the blocks completed by the n_new[b] new raw keys k_new/v_new [B, TQ, Hkv, D] of each row (row b
+    held lengths[b] keys before). raw_ring: the compression branch's ring before the call, k [B, Hkv, R, dk]
+    (slot t mod R, R >= l - 1), v likewise; block i goes to store slot i."""
     B, TQ = k_new.shape[:2]
     l, d = cfg.cmp_block, cfg.cmp_stride
     M = max_new_blocks(TQ, cfg)
-    if M == 0:
-        return
-    R = raw_ring.slots
+    R = raw_ring.k.shape[2]
     device = lengths.device
     first = complete_blocks(lengths, cfg)
     last = complete_blocks(lengths + n_new, cfg)
@@ -55,11 +62,11 @@ def emit_compressed(store: TokenBuffer, raw_ring: TokenBuffer, lengths: Tensor, 
     rows = []
     for ring, new in ((raw_ring.k, k_new), (raw_ring.v, v_new)):
         H, D = ring.shape[1], ring.shape[3]
-        combined = torch.cat([ring[:, :, :R], new.transpose(1, 2).to(ring.dtype)], dim=2)  # [B, H, R + TQ, D]
+        combined = torch.cat([ring, new.transpose(1, 2).to(ring.dtype)], dim=2)  # [B, H, R + TQ, D]
         rows.append(combined.gather(2, source.expand(B, H, M * l, D)).view(B, H, M, l, D))
     if cfg.phi == "avg":
         k_cmp, v_cmp = compression.phi_avg(rows[0]), compression.phi_avg(rows[1])
     else:
         k_cmp, v_cmp = compression.phi_mlp(rows[0], phi.k), compression.phi_mlp(rows[1], phi.v)
-    slots = torch.where(emitted, blocks, torch.full_like(blocks, store.trash))
-    store.write(slots, k_cmp.transpose(1, 2), v_cmp.transpose(1, 2))
+    slots = torch.where(emitted, blocks, torch.full_like(blocks, trash))
+    return NewBlocks(k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), slots)
