@@ -57,7 +57,8 @@ def test_output_is_invariant_to_a_position_offset(impl, preset, device, record_m
         not_covered(f"{impl.name}.NSAAttention.forward takes no position_offset")
     randomize(m, 1)
     x = torch.randn(2, 13, HIDDEN, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device)
-    a, b = m(x), m(x, position_offset=37)
+    with torch.no_grad():
+        a, b = m(x), m(x, position_offset=37)
     err = float((a - b).abs().max())
     tol = RTOL * (1 + float(a.abs().max()))
     record_metric("offset_invariance", err / tol)
@@ -78,6 +79,7 @@ def test_gates_start_at_exactly_one_half(impl, preset, device):
     x = 10 * torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(device)
     gates = gates_of(m, x)
     if gates is not None:
+        gates = gates.detach()
         assert torch.equal(gates, torch.full_like(gates, 0.5)), (
             f"fresh module gates are not all 0.5: min {float(gates.min())}, max {float(gates.max())}")
         return
@@ -101,7 +103,7 @@ def test_gates_stay_in_the_unit_interval(impl, preset, device):
         for p in gate_params:
             p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float64) * 100).to(p))
     x = torch.randn(2, 9, HIDDEN, generator=g, dtype=torch.float64).to(device)
-    gates = m.project(x)[2]
+    gates = m.project(x)[2].detach()
     assert gates.shape[-1] == 3, f"gates must be [B, T, Hq, 3], got {tuple(gates.shape)}"
     assert float(gates.min()) >= 0 and float(gates.max()) <= 1, (
         f"gates outside [0, 1]: min {float(gates.min())}, max {float(gates.max())}")
@@ -123,14 +125,16 @@ def test_module_equals_the_reference_module(impl, preset, device, low_dtype, rec
                     f"{str(exc).splitlines()[0]}")
     x = torch.randn(2, 11, HIDDEN, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     for offset in (0, 5):
-        want = ref(x, position_offset=offset)
-        got = m(x.to(device), position_offset=offset).cpu()
+        with torch.no_grad():
+            want = ref(x, position_offset=offset)
+            got = m(x.to(device), position_offset=offset).cpu()
         err = float((got - want).abs().max())
         tol = RTOL * (1 + float(want.abs().max()))
         record_metric("float64", err / tol)
         assert err <= tol, f"module output differs from reference.NSAAttention at offset {offset}: {err:.3g}"
         m_low, ref_low = copy.deepcopy(m).to(low_dtype), copy.deepcopy(ref).to(low_dtype)
-        ratio = error_ratio(m_low(x.to(device=device, dtype=low_dtype), position_offset=offset),
-                            ref_low(x.to(low_dtype), position_offset=offset), want)
+        with torch.no_grad():
+            ratio = error_ratio(m_low(x.to(device=device, dtype=low_dtype), position_offset=offset),
+                                ref_low(x.to(low_dtype), position_offset=offset), want)
         record_metric(f"error_ratio_{str(low_dtype).replace('torch.', '')}", ratio)
         assert ratio <= 1, f"module in {low_dtype} at offset {offset}: error ratio {ratio:.3g} > 1"
