@@ -2,12 +2,12 @@
 compressed when key i*d + l - 1 arrives, but the query at that very position does not see it (the visible
 count is taken from the lengths before the step), although prefill lets it (Eq. 7: i*d + l - 1 <= p).
 
-Patch: optimized.decode.cache.complete_blocks (the emitted-block count the cache's visibility uses) lags one
-token behind.
+Patch: optimized.decode.plan.complete_blocks (the count of emitted blocks that a decode call's visibility mask
+admits, CallPlan.emitted) lags one token behind.
 Caught by: Counted reads and decode = prefill (cached decode differs from prefill at emission steps).
 """
 
-from optimized.decode import cache, emission
+from optimized.decode import emission, plan
 
 from conformance.selftest.variants import optimized_variant
 
@@ -16,5 +16,5 @@ def complete_blocks_one_step_late(n_keys, cfg):
     return emission.complete_blocks(n_keys - 1, cfg)
 
 
-cache.complete_blocks = complete_blocks_one_step_late
+plan.complete_blocks = complete_blocks_one_step_late
 IMPL = optimized_variant("cache_emits_late")
