@@ -1,0 +1,152 @@
+"""GPU share of the decode tests (needs CUDA; `pytest -m gpu tests/test_decode_gpu.py`).
+
+- decode = prefill in bf16 with the Triton decode kernels, by FlashAttention's error-ratio rule: error of the bf16
+  decode vs a float64 prefill <= 2 x error of the bf16 prefill vs the same float64 prefill + 1e-6 (all three with
+  the decode's own selected blocks, teacher-forced), and the decode selects the blocks the free-running bf16
+  prefill selects for >= 99% of (query, group) rows (near-ties may flip under different summation orders);
+- the decode kernels at the paper's head layout (16 heads per group, d = 128, l' = 64, n = 16) vs fp32/fp64 torch;
+- DecodeGraph replays (eager stages and torch.compile'd stages) equal eager steps;
+- counted reads of one step at 64k with the paper config reproduce Table 4 minus one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optimized as O
+from conformance.helpers import error_ratio, make_inputs
+from optimized.decode import NSADecodeCache
+from optimized.decode.graph import DecodeGraph
+from optimized.kernels.masked_decode import masked_decode_attention
+from optimized.kernels.selected_attention_naive import selected_attention_naive
+from optimized.kernels.selected_decode import selected_decode_attention
+from reference.config import NSAConfig
+from reference.contract import KV, BranchKV
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CFG = NSAConfig.preset("paper", n_heads=16, n_kv_heads=2, head_dim_qk=64, head_dim_v=64, n_sel=4, window=128)
+
+
+def tokens(kv: BranchKV, start: int, stop: int) -> BranchKV:
+    return BranchKV(*(KV(b.k[:, start:stop], b.v[:, start:stop]) for b in (kv.cmp, kv.slc, kv.win)))
+
+
+def decode_bf16(x, prompt: int, chunks: list[int]):
+    B, T = x.q.shape[:2]
+    cache = NSADecodeCache(CFG, B, T, dtype=torch.bfloat16, device="cuda", phi=x.phi)
+    outs = [cache.prefill(x.q[:, :prompt], tokens(x.kv, 0, prompt), x.gates[:, :prompt])]
+    t = prompt
+    for chunk in chunks:
+        call = cache.step if chunk == 1 else cache.extend
+        outs.append(call(x.q[:, t:t + chunk], tokens(x.kv, t, t + chunk), x.gates[:, t:t + chunk]))
+        t += chunk
+    return t, torch.cat([o.o for o in outs], 1), torch.cat([o.indices for o in outs], 1)
+
+
+def test_bf16_decode_equals_prefill_by_error_ratio():
+    x64 = make_inputs(CFG, 700, B=2, seed=0, dtype=torch.float64, device="cuda")
+    x16 = x64.to(dtype=torch.bfloat16)
+    T, o_dec, idx_dec = decode_bf16(x16, 300, [1] * 40 + [17] * 4 + [64] * 4 + [1] * 4)
+    xr = x16.to(dtype=torch.float64)  # the oracle sees the same bf16-rounded inputs
+    sl = slice(0, T)
+    oracle = O.nsa_forward(xr.q[:, sl], tokens(xr.kv, 0, T), xr.gates[:, sl], CFG, xr.phi, indices=idx_dec).o
+    low = O.nsa_forward(x16.q[:, sl], tokens(x16.kv, 0, T), x16.gates[:, sl], CFG, x16.phi, indices=idx_dec).o
+    assert error_ratio(o_dec, low, oracle) <= 1.0
+    free = O.nsa_forward(x16.q[:, sl], tokens(x16.kv, 0, T), x16.gates[:, sl], CFG, x16.phi).indices
+    agree = (free == idx_dec).all(-1).float().mean().item()
+    assert agree >= 0.99, f"decode and prefill select the same blocks for only {agree:.1%} of (query, group) rows"
+
+
+@pytest.mark.parametrize("batch, n_queries", [(1, 1), (3, 1), (2, 4)])
+def test_selected_decode_kernel_paper_layout(batch, n_queries):
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    Hkv, G, d, lp, n, S = 4, 16, 128, 64, 16, 9000
+    q = torch.randn(batch, n_queries, Hkv * G, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, Hkv, S, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, Hkv, S, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    positions = torch.randint(1000, S, (batch, 1), generator=g, device="cuda") + torch.arange(n_queries, device="cuda")
+    positions = positions.clamp(max=S - 1)
+    J = positions // lp
+    idx = torch.sort(torch.rand(batch, n_queries, Hkv, 200, generator=g, device="cuda").argsort(-1)[..., :n], -1).values
+    idx = torch.minimum(idx, J[:, :, None, None])  # blocks that exist (duplicates allowed)
+    o, reads = selected_decode_attention(q, k, v, idx, positions, lp)
+    for b in range(batch):
+        for t in range(n_queries):
+            args = (k[b:b + 1].transpose(1, 2), v[b:b + 1].transpose(1, 2), idx[b:b + 1, t:t + 1], lp)
+            pos = positions[b, t:t + 1]
+            oracle = selected_attention_naive(q[b:b + 1, t:t + 1].double(), *(a.double() for a in args[:2]), *args[2:],
+                                              positions=pos)
+            low = selected_attention_naive(q[b:b + 1, t:t + 1].float(), *(a.float() for a in args[:2]), *args[2:],
+                                           positions=pos)
+            assert error_ratio(o[b:b + 1, t:t + 1], low.to(torch.bfloat16), oracle) <= 1.0
+    tokens_ = idx[..., None] * lp + torch.arange(lp, device="cuda")
+    assert torch.equal(reads, (tokens_ <= positions[:, :, None, None, None]).sum((-1, -2)))
+
+
+def test_masked_decode_kernel_paper_layout():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, TQ, Hkv, G, d, K = 3, 2, 4, 16, 128, 4100
+    q = torch.randn(B, TQ, Hkv * G, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, K, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, K, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(B, TQ, K, generator=g, device="cuda") < 0.9
+    o, logits, reads = masked_decode_attention(q, k, v, mask, want_logits=True)
+
+    def dense(dtype):
+        kk, vv = k.to(dtype).repeat_interleave(G, 1), v.to(dtype).repeat_interleave(G, 1)
+        s = torch.einsum("bthd,bhkd->bthk", q.to(dtype), kk) / d ** 0.5
+        p = torch.softmax(s.masked_fill(~mask[:, :, None], float("-inf")), -1)
+        return torch.einsum("bthk,bhkd->bthd", p, vv), s
+
+    oracle, s64 = dense(torch.float64)
+    low, _ = dense(torch.float32)
+    assert error_ratio(o, low.to(torch.bfloat16), oracle) <= 1.0
+    assert (logits.permute(0, 2, 1, 3, 4).reshape(B, TQ, Hkv * G, K).double() - s64).abs().max() < 1e-3
+    assert torch.equal(reads, mask.sum(-1)[:, :, None].expand(B, TQ, Hkv))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_graph_replays_equal_eager_steps(compile):
+    x = make_inputs(CFG, 420, B=2, seed=3, dtype=torch.bfloat16, device="cuda")
+    caches = [NSADecodeCache(CFG, 2, 430, dtype=torch.bfloat16, device="cuda", phi=x.phi, compile=c)
+              for c in (False, compile)]
+    for cache in caches:
+        cache.fill(tokens(x.kv, 0, 380), [380, 371])
+    graph = DecodeGraph(caches[1], 430)
+    rows = agreeing = 0
+    for t in range(380, 420):
+        args = (x.q[:, t:t + 1], tokens(x.kv, t, t + 1), x.gates[:, t:t + 1])
+        eager = caches[0].step(*args)
+        replay = graph(*args)
+        same = (replay.indices == eager.indices).all(-1)  # [B, 1, Hkv]: near-ties may flip (other scan bounds)
+        rows, agreeing = rows + same.numel(), agreeing + int(same.sum())
+        heads = same.repeat_interleave(CFG.group_size, dim=2)[..., None]
+        assert (torch.where(heads, replay.o.float() - eager.o.float(), 0.0)).abs().max() < 2e-2
+        for name in ("cmp", "win"):
+            assert torch.equal(getattr(replay.reads, name), getattr(eager.reads, name))
+        assert torch.equal(torch.where(same, replay.reads.slc, 0), torch.where(same, eager.reads.slc, 0))
+    assert agreeing >= 0.99 * rows
+    assert caches[1].lengths.tolist() == [420, 411] and caches[1].device_lengths.tolist() == [420, 411]
+
+
+def test_step_reads_at_64k_reproduce_table_4_on_gpu():
+    cfg = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
+    s = 65536
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(T, dim):
+        return torch.randn(1, T, cfg.n_kv_heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    from reference.contract import PhiWeights
+
+    phi = PhiWeights.init(cfg, 128, dtype=torch.bfloat16, device="cuda")
+    cache = NSADecodeCache(cfg, 1, s, dtype=torch.bfloat16, device="cuda", phi=phi)
+    cache.fill(BranchKV.shared(rnd(s - 1, 128), rnd(s - 1, 128)))
+    new = BranchKV.shared(rnd(1, 128), rnd(1, 128))
+    q = torch.randn(1, 1, cfg.n_heads, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    out = cache.step(q, new, torch.full((1, 1, cfg.n_heads, 3), 0.5, device="cuda", dtype=torch.bfloat16))
+    assert out.reads.cmp.unique().tolist() == [(s - 32) // 16 + 1]
+    assert out.reads.slc.unique().tolist() == [1024] and out.reads.win.unique().tolist() == [512]
+    assert int(out.reads.total[0, 0, 0]) == 5632 - 1
