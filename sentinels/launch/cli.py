@@ -1,0 +1,117 @@
+"""`python -m sentinels.launch env|config|preflight|launch` (docs/runbook.md); `python -m sentinels env` is the
+same environment guard.
+
+Exit codes: 0 supported / PASS / GO / the trainer's own code after a launch; 1 unsupported environment, refused
+config, NO-GO, or refused launch; 2 bad arguments or an unreadable config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..config import ConfigError, load_config
+from .code import code_identity
+from .env import check_env, collect_env_facts, format_verdict
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run config YAML (configs/*.yaml)")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override of the run config (part of the config hash), e.g. -o train.steps=50000")
+    parser.add_argument("--resume", action="store_true",
+                        help="the run continues the checkpoints in train.out_dir (out_dir must hold one)")
+
+
+def _commit_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--commit", help="commit of a copied tree without .git (must match git where git exists)")
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    verdict = check_env(collect_env_facts())
+    print(format_verdict(verdict))
+    return 0 if verdict.ok else 1
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from .preflight import check_config, format_resolved
+
+    cfg = load_config(args.config, args.override)
+    facts = collect_env_facts()
+    verdict = check_config(cfg, gpu_visible=bool(facts.gpus), resume=args.resume)
+    print(format_resolved(cfg, verdict))
+    return 0 if verdict.ok else 1
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from .gates import default_gate_commands, format_record, run_preflight
+    from .gonogo import GO, RECORDS_DIR
+    from .preflight import check_config, format_resolved
+
+    cfg = load_config(args.config, args.override)
+    code = code_identity(given_commit=args.commit)
+    facts = collect_env_facts()
+    print(format_verdict(check_env(facts)), flush=True)
+    print(format_resolved(cfg, check_config(cfg, gpu_visible=bool(facts.gpus), resume=args.resume)), flush=True)
+    record, path = run_preflight(cfg=cfg, config_path=args.config, overrides=args.override, resume=args.resume,
+                                 code=code, facts=facts, records_dir=RECORDS_DIR,
+                                 gate_commands=default_gate_commands(args.config, args.override, cfg.config_hash()))
+    print(format_record(record, path))
+    return 0 if record["decision"] == GO else 1
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from .launch import decide_launch
+
+    cfg = load_config(args.config, args.override)
+    decision = decide_launch(cfg=cfg, config_path=args.config, overrides=args.override, nproc=args.nproc,
+                             resume=args.resume, code=code_identity(given_commit=args.commit),
+                             facts=collect_env_facts())
+    if not decision.ok:
+        print("launch REFUSED:", file=sys.stderr)
+        for reason in decision.reasons:
+            print(f"  - {reason}", file=sys.stderr)
+        return 1
+    print(f"launch authorized: {decision.go}")
+    print("exec: " + " ".join(decision.argv), flush=True)
+    os.execv(decision.argv[0], decision.argv)  # torchrun replaces this process: signals reach it directly
+    return 0  # pragma: no cover - execv does not return
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sentinels.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("env", help="print python/torch/CUDA/triton/GPUs; exit 1 on an unsupported combination") \
+        .set_defaults(func=cmd_env)
+    config = sub.add_parser("config", help="config preflight only: resolved config, hash, refusals")
+    _config_args(config)
+    config.set_defaults(func=cmd_config)
+    pre = sub.add_parser("preflight", help="all gates, then reports/preflight/<config-hash>.json (GO/NO-GO)")
+    _config_args(pre)
+    _commit_arg(pre)
+    pre.set_defaults(func=cmd_preflight)
+    launch = sub.add_parser("launch", help="start the trainer with torchrun if a fresh GO record allows it")
+    _config_args(launch)
+    _commit_arg(launch)
+    launch.add_argument("--nproc", type=int, default=1, help="processes (GPUs) on this host (default 1)")
+    launch.set_defaults(func=cmd_launch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # --commit disagreeing with git
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def env_main(argv: list[str] | None = None) -> int:
+    """`python -m sentinels env` (the sentinels CLI dispatches here)."""
+    return main(["env", *(argv or [])])

@@ -1,0 +1,196 @@
+"""The preflight pipeline (`nox -s preflight -- --config X`): gates in order, fail fast, then a GO/NO-GO record.
+
+Gates: code (the commit is known), env (env.py policy), config (preflight.py rules), then the GPU suites as
+subprocesses: `nox -s conformance-gpu` and `nox -s sentinels-gpu -- --config X`. A subprocess gate passes when
+it exits 0 AND the report it wrote says so (evidence): the conformance report ran on CUDA and has no failing
+property, and the sentinels report is PASS for this very config hash. Gates after a failed one are SKIPped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..config import RunConfig
+from .code import REPO_ROOT, CodeIdentity
+from .env import EnvFacts, check_env
+from .gonogo import FAIL, PASS, SKIP, GateResult, build_record, write_record
+from .preflight import check_config
+
+LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class GateCommand:
+    """A gate run as a subprocess: its command, where its JSON reports land, and what they must show."""
+
+    name: str
+    argv: list[str]
+    report_dirs: tuple[Path, ...]
+    evidence: Callable[[list[Path]], str | None]  # the reports it wrote -> None if they show a pass, else why not
+
+
+def _out_reports(sub: str) -> tuple[Path, ...]:
+    """reports/<sub> in the checkout, and $OUT/reports/<sub> where the GPU scripts write when $OUT is set."""
+    dirs = [REPO_ROOT / "reports" / sub]
+    if os.environ.get("OUT"):
+        dirs.append(Path(os.environ["OUT"]) / "reports" / sub)
+    return tuple(dirs)
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def conformance_evidence(reports: list[Path]) -> str | None:
+    """A conformance verdict report (conformance/verdict.py) on a CUDA device with no failing property."""
+    found = [(p, d) for p in reports if (d := _load(p)) is not None and "properties" in d]
+    if not found:
+        return "it wrote no conformance report (reports/conformance/*.json)"
+    for path, data in found:
+        if not str(data.get("device", "")).startswith("cuda"):
+            return f"{path} ran on device {data.get('device')!r}, not CUDA"
+        failed = [p.get("property") for p in data["properties"] if p.get("verdict") == "FAIL"]
+        if failed:
+            return f"{path} has failing properties {failed}"
+    return None
+
+
+def sentinels_evidence(config_hash: str) -> Callable[[list[Path]], str | None]:
+    def check(reports: list[Path]) -> str | None:
+        """A sentinel report (sentinels/report.py) with verdict PASS whose run config is the one to launch."""
+        found = [(p, d) for p in reports if (d := _load(p)) is not None and "sentinels" in d]
+        if not found:
+            return "it wrote no sentinel report (reports/sentinels/*.json)"
+        for path, data in found:
+            tested = (data.get("run_config") or {}).get("hash")
+            if tested != config_hash:
+                return f"{path} tested run config {tested}, not the config to launch ({config_hash})"
+            if data.get("verdict") != "PASS":
+                return f"{path} has verdict {data.get('verdict')!r}"
+        return None
+
+    return check
+
+
+def default_gate_commands(config_path: str, overrides: list[str], config_hash: str) -> list[GateCommand]:
+    nox = [sys.executable, "-m", "nox", "-s"]
+    forwarded = [arg for o in overrides for arg in ("-o", o)]
+    return [
+        GateCommand("conformance-gpu", nox + ["conformance-gpu"], _out_reports("conformance"), conformance_evidence),
+        GateCommand("sentinels-gpu", nox + ["sentinels-gpu", "--", "--config", config_path, *forwarded],
+                    _out_reports("sentinels"), sentinels_evidence(config_hash)),
+    ]
+
+
+def _new_reports(dirs: tuple[Path, ...], since_unix: float) -> list[Path]:
+    found = []
+    for directory in dirs:
+        if directory.is_dir():
+            found += [p for p in directory.glob("*.json") if p.stat().st_mtime >= since_unix - 1.0]
+    return sorted(found)
+
+
+def run_gate_command(gate: GateCommand, log_path: Path, *, cwd: Path = REPO_ROOT,
+                     echo: Callable[[str], None] = lambda line: print(line, end="", flush=True)) -> GateResult:
+    """Run the gate, echo and save its output, then judge its exit code and its reports."""
+    started = time.time()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tail: list[str] = []
+    try:
+        with log_path.open("w") as log_file, subprocess.Popen(gate.argv, cwd=cwd, stdout=subprocess.PIPE,
+                                                              stderr=subprocess.STDOUT, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                echo(line)
+                log_file.write(line)
+                tail = (tail + [line.rstrip("\n")])[-LOG_TAIL_LINES:]
+            exit_code = proc.wait()
+    except OSError as exc:
+        return GateResult(gate.name, FAIL, f"could not start {gate.argv[0]}: {exc}", started, time.time(),
+                          command=gate.argv, log=str(log_path))
+    reports = _new_reports(gate.report_dirs, started)
+    if exit_code != 0:
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        verdict, detail = FAIL, f"exit code {exit_code}; last line: {last.strip()[:300]}"
+    else:
+        problem = gate.evidence(reports)
+        verdict, detail = (PASS, "exit code 0 and its report agrees") if problem is None else \
+            (FAIL, f"exit code 0 but {problem}")
+    return GateResult(gate.name, verdict, detail, started, time.time(), exit_code=exit_code, command=gate.argv,
+                      reports=[str(p) for p in reports], log=str(log_path))
+
+
+def _in_process(name: str, ok: bool, detail: str, started: float) -> GateResult:
+    return GateResult(name, PASS if ok else FAIL, detail, started, time.time())
+
+
+def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], resume: bool, code: CodeIdentity,
+                  facts: EnvFacts, gate_commands: list[GateCommand], records_dir: Path,
+                  cwd: Path | None = None, check_config_kwargs: dict | None = None,
+                  runner: Callable[[GateCommand, Path], GateResult] | None = None) -> tuple[dict, Path]:
+    """Run the gates in order (SKIP after the first failure), write the record, return (record, path)."""
+    started = time.time()
+    config_hash = cfg.config_hash()
+    gates: list[GateResult] = []
+
+    t0 = time.time()
+    if code.commit is None:
+        gates.append(_in_process("code", False, "no git commit: run in a git checkout, or pass --commit SHA for a "
+                                                "copied tree", t0))
+    else:
+        note = "; tracked files are modified, the source digest names the code" if code.dirty else ""
+        gates.append(_in_process("code", True, f"commit {code.commit} ({code.commit_source}), source digest "
+                                               f"{code.source_digest[:16]}{note}", t0))
+
+    t0 = time.time()
+    env = check_env(facts)
+    gates.append(_in_process("env", env.ok, "; ".join(env.reasons) or "supported", t0))
+
+    t0 = time.time()
+    verdict = check_config(cfg, gpu_visible=bool(facts.gpus), resume=resume, cwd=cwd,
+                           **(check_config_kwargs or {}))
+    gates.append(_in_process("config", verdict.ok, "; ".join(f"[{f.rule}] {f.message}" for f in verdict.findings)
+                             or f"all rules pass ({verdict.parameters:,} parameters)", t0))
+
+    run = runner or (lambda gate, log_path: run_gate_command(gate, log_path, cwd=cwd or REPO_ROOT))
+    for gate in gate_commands:
+        if any(g.verdict != PASS for g in gates):
+            now = time.time()
+            gates.append(GateResult(gate.name, SKIP, "not run: an earlier gate failed", now, now,
+                                    command=gate.argv))
+            continue
+        gates.append(run(gate, records_dir / f"{config_hash}.{gate.name}.log"))
+
+    record = build_record(cfg=cfg, config_path=config_path, overrides=overrides, resume=resume, code=code,
+                          env=facts.as_dict(), gates=gates, started_unix=started, finished_unix=time.time(),
+                          host=platform.node())
+    path = write_record(record, records_dir)
+    if os.environ.get("OUT"):  # GPU hosts hand results back through $OUT
+        copy_dir = Path(os.environ["OUT"]) / "reports" / "preflight"
+        copy_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, copy_dir / path.name)
+    return record, path
+
+
+def format_record(record: dict, path: Path) -> str:
+    lines = [f"{'gate':<16} {'verdict':<7} {'time':>8}  detail", "-" * 100]
+    for g in record["gates"]:
+        lines.append(f"{g['name']:<16} {g['verdict']:<7} {g['duration_s']:>7.1f}s  {g['detail']}")
+        lines += [f"{'':<34}report: {r}" for r in g["reports"]]
+    lines.append("-" * 100)
+    lines.append(f"{record['decision']}  config {record['config_hash']}  commit {record['code']['commit']}")
+    lines.append(f"record: {path}")
+    return "\n".join(lines)
