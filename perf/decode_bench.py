@@ -171,7 +171,7 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
     for name, fn in sdpa_forms.items():
         try:
             case.sdpa_forms_us[name] = median_us(fn, args, device, timer)
-        except RuntimeError as exc:  # a form this torch build does not support
+        except (RuntimeError, TypeError) as exc:  # a form this torch build does not support
             case.note += f"{name}: {str(exc).splitlines()[0][:80]}; "
     if case.sdpa_forms_us:
         case.sdpa_form, case.sdpa_median_us = min(case.sdpa_forms_us.items(), key=lambda kv: kv[1])
