@@ -47,7 +47,8 @@ class NSADecodeCache:
     Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
     each branch gathered. backend: "torch" (any device), "triton" (the decode kernels; CPU needs
     TRITON_INTERPRET=1) or "auto" (kernels on CUDA). compile=True runs the torch stages of a call (planning, the
-    Eq. 8-11 seams, the gates) through torch.compile (one compilation per shape; for long GPU decodes).
+    Eq. 8-11 seams, the gates) through torch.compile (one compilation per shape, for long GPU decodes; eager calls
+    then scan up to the next power of two of the longest row, so shapes change rarely).
     """
 
     def __init__(self, cfg: NSAConfig, batch_size: int, capacity: int, *, dtype: torch.dtype = torch.float32,
@@ -78,6 +79,7 @@ class NSADecodeCache:
         self._lengths = torch.zeros(B, dtype=torch.int64)
         # The pure torch stages of a call (the seams included); compile=True fuses each into a few kernels.
         stages = (plan_call, branches.select, gate_real)
+        self.compiled = compile
         if compile:
             stages = tuple(torch.compile(stage, dynamic=False) for stage in stages)
         self._plan, self._select, self._gate = stages
@@ -151,7 +153,10 @@ class NSADecodeCache:
         counts = self.check_call(q, kv, gates, lengths)
         after = self._lengths + counts
         emit = bool((complete_blocks(after, self.cfg) > complete_blocks(self._lengths, self.cfg)).any())
-        out = self.advance(q, kv, gates, counts.to(self.device), max(1, int(after.max())), emit=emit)
+        bound = max(1, int(after.max()))
+        if self.compiled:  # few distinct scan ranges, so few compilations
+            bound = min(self.capacity, max(256, 1 << (bound - 1).bit_length()))
+        out = self.advance(q, kv, gates, counts.to(self.device), bound, emit=emit)
         self._lengths.copy_(after)
         return out
 
