@@ -1,0 +1,185 @@
+"""The preflight pipeline (sentinels/launch/gates.py) end to end with stand-in subprocess gates: GO when all
+pass; NO-GO with the later gates SKIPped (never started) after a failure; a gate that exits 0 without the
+report that proves it is a FAIL; and the code identity it records (sentinels/launch/code.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from sentinels.config import load_config
+from sentinels.launch.code import CodeIdentity, code_identity, source_digest, source_files
+from sentinels.launch.env import EnvFacts, GpuFacts
+from sentinels.launch.gates import (GateCommand, conformance_evidence, run_preflight, sentinels_evidence)
+from sentinels.launch.gonogo import GO, NO_GO, check_go_record
+
+REPO = Path(__file__).resolve().parent.parent
+CODE = CodeIdentity(commit="a" * 40, commit_source="git", dirty=False, source_digest="d" * 64)
+FACTS = EnvFacts(python="3.11.7", torch="2.4.1", cuda="12.4", triton="3.0.0",
+                 gpus=(GpuFacts(0, "NVIDIA H100 80GB HBM3", (9, 0)),))
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return load_config(REPO / "configs" / "tiny-cpu.yaml").replace(
+        **{"train.device": "cuda", "train.precision": "bf16", "train.out_dir": str(tmp_path / "run")})
+
+
+@pytest.fixture(autouse=True)
+def no_out(monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+
+
+def fake_gate(name: str, report_dir: Path, *, exit_code: int = 0, report: dict | None = None,
+              evidence=lambda reports: None if reports else "no report", marker: Path | None = None) -> GateCommand:
+    """A subprocess that prints a line, may write a JSON report and a marker file, and exits with exit_code."""
+    script = (f"import json, pathlib, sys\nprint('running {name}')\n"
+              f"pathlib.Path({str(report_dir)!r}).mkdir(parents=True, exist_ok=True)\n")
+    if report is not None:
+        script += f"pathlib.Path({str(report_dir / (name + '.json'))!r}).write_text(json.dumps({report!r}))\n"
+    if marker is not None:
+        script += f"pathlib.Path({str(marker)!r}).write_text('ran')\n"
+    script += f"print('last words of {name}')\nsys.exit({exit_code})\n"
+    return GateCommand(name, [sys.executable, "-c", script], (report_dir,), evidence)
+
+
+def preflight(cfg, tmp_path, gate_commands, *, facts=FACTS, code=CODE):
+    return run_preflight(cfg=cfg, config_path="configs/x.yaml", overrides=["train.lr=0.001"], resume=False,
+                         code=code, facts=facts, gate_commands=gate_commands, records_dir=tmp_path / "records",
+                         check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None})
+
+
+def test_all_gates_pass_gives_go(cfg, tmp_path):
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}),
+             fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1})]
+    record, path = preflight(cfg, tmp_path, gates)
+    assert record["decision"] == GO, record["reasons"]
+    assert path == tmp_path / "records" / f"{cfg.config_hash()}.json"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(record))
+    names = [g["name"] for g in record["gates"]]
+    assert names == ["code", "env", "config", "conformance-gpu", "sentinels-gpu"]
+    sub = record["gates"][3]
+    assert sub["exit_code"] == 0 and sub["reports"] == [str(tmp_path / "rc" / "conformance-gpu.json")]
+    assert "running conformance-gpu" in Path(sub["log"]).read_text()
+    assert record["overrides"] == ["train.lr=0.001"]
+    assert check_go_record(path, config_hash=cfg.config_hash(), code=CODE).ok
+
+
+def test_failing_gate_gives_no_go_and_skips_the_rest(cfg, tmp_path):
+    marker = tmp_path / "sentinels-ran"
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", exit_code=1, report={"ok": 1}),
+             fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1}, marker=marker)]
+    record, _ = preflight(cfg, tmp_path, gates)
+    assert record["decision"] == NO_GO
+    conf, sent = record["gates"][3], record["gates"][4]
+    assert conf["verdict"] == "FAIL" and conf["detail"] == "exit code 1; last line: last words of conformance-gpu"
+    assert sent["verdict"] == "SKIP" and sent["exit_code"] is None
+    assert not marker.exists()
+
+
+def test_exit_zero_without_evidence_fails(cfg, tmp_path):
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report=None),
+             fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1})]
+    record, _ = preflight(cfg, tmp_path, gates)
+    assert record["decision"] == NO_GO
+    assert record["gates"][3]["verdict"] == "FAIL" and record["gates"][3]["detail"] == "exit code 0 but no report"
+
+
+def test_old_reports_do_not_count_as_evidence(cfg, tmp_path):
+    old = tmp_path / "rc" / "old.json"
+    old.parent.mkdir()
+    old.write_text("{}")
+    import os
+
+    os.utime(old, (1_000_000_000, 1_000_000_000))
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report=None),
+             fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1})]
+    record, _ = preflight(cfg, tmp_path, gates)
+    assert record["gates"][3]["reports"] == [] and record["decision"] == NO_GO
+
+
+def test_unsupported_env_runs_no_gpu_gate(cfg, tmp_path):
+    marker = tmp_path / "ran"
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}, marker=marker)]
+    no_gpu = EnvFacts(python="3.11.7", torch="2.13.0+cpu", cuda=None, triton="3.7.1", gpus=())
+    record, _ = preflight(cfg, tmp_path, gates, facts=no_gpu)
+    verdicts = {g["name"]: g["verdict"] for g in record["gates"]}
+    assert verdicts == {"code": "PASS", "env": "FAIL", "config": "FAIL", "conformance-gpu": "SKIP"}
+    assert "no CUDA device" in record["gates"][1]["detail"] and "[device]" in record["gates"][2]["detail"]
+    assert not marker.exists()
+
+
+def test_unknown_commit_is_no_go(cfg, tmp_path):
+    unknown = CodeIdentity(commit=None, commit_source="unknown", dirty=None, source_digest="d" * 64)
+    record, _ = preflight(cfg, tmp_path, [], code=unknown)
+    assert record["gates"][0]["verdict"] == "FAIL" and "--commit" in record["gates"][0]["detail"]
+    assert record["decision"] == NO_GO
+
+
+def test_record_is_copied_to_out_when_set(cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    _, path = preflight(cfg, tmp_path, [])
+    assert (tmp_path / "out" / "reports" / "preflight" / path.name).read_text() == path.read_text()
+
+
+# -- evidence ------------------------------------------------------------------------------------------------
+def write(path: Path, data) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_conformance_evidence(tmp_path):
+    ok = {"device": "cuda", "properties": [{"property": "p", "verdict": "PASS"}]}
+    assert conformance_evidence([write(tmp_path / "a.json", ok)]) is None
+    assert "not CUDA" in conformance_evidence([write(tmp_path / "b.json", {**ok, "device": "cpu"})])
+    failed = {"device": "cuda:0", "properties": [{"property": "eq9", "verdict": "FAIL"}]}
+    assert "['eq9']" in conformance_evidence([write(tmp_path / "c.json", failed)])
+    assert "no conformance report" in conformance_evidence([write(tmp_path / "d.json", {"x": 1})])
+
+
+def test_sentinels_evidence_checks_the_tested_config(tmp_path):
+    check = sentinels_evidence("h1")
+    ok = {"verdict": "PASS", "run_config": {"hash": "h1"}, "sentinels": []}
+    assert check([write(tmp_path / "a.json", ok)]) is None
+    assert "tested run config h2" in check([write(tmp_path / "b.json", {**ok, "run_config": {"hash": "h2"}})])
+    assert "verdict 'FAIL'" in check([write(tmp_path / "c.json", {**ok, "verdict": "FAIL"})])
+    assert "no sentinel report" in check([])
+
+
+# -- code identity --------------------------------------------------------------------------------------------
+def test_source_digest_follows_the_sources(tmp_path):
+    (tmp_path / "sentinels").mkdir()
+    (tmp_path / "sentinels" / "a.py").write_text("x = 1\n")
+    (tmp_path / "sentinels" / "__pycache__").mkdir()
+    (tmp_path / "sentinels" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "notes.md").write_text("not source")
+    assert [p.name for p in source_files(tmp_path)] == ["a.py"]
+    before = source_digest(tmp_path)
+    (tmp_path / "sentinels" / "__pycache__" / "b.py").write_text("ignored")
+    assert source_digest(tmp_path) == before
+    (tmp_path / "sentinels" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != before
+    (tmp_path / "sentinels" / "a.py").write_text("x = 1\n")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "b.yaml").write_text("")
+    assert source_digest(tmp_path) != before
+
+
+def test_code_identity_without_git_uses_the_given_commit(tmp_path):
+    (tmp_path / "configs").mkdir()
+    assert code_identity(tmp_path).commit_source == "unknown"
+    ident = code_identity(tmp_path, given_commit="c" * 40)
+    assert ident.commit == "c" * 40 and ident.commit_source == "given" and ident.dirty is None
+
+
+def test_given_commit_must_agree_with_git():
+    head = code_identity(REPO)
+    if head.commit is None:
+        pytest.skip("this checkout has no .git")
+    assert head.commit_source == "git" and len(head.commit) == 40
+    assert code_identity(REPO, given_commit=head.commit[:12]).commit == head.commit
+    with pytest.raises(ValueError, match="disagrees"):
+        code_identity(REPO, given_commit="0" * 40)

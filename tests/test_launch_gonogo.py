@@ -1,0 +1,215 @@
+"""GO/NO-GO records (sentinels/launch/gonogo.py): the decision, the launch check (missing, NO-GO, stale,
+mismatched commit / config / source digest, inconsistent, unreadable), and the trainer's authorization."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from sentinels.config import load_config
+from sentinels.launch import policy
+from sentinels.launch.code import CodeIdentity
+from sentinels.launch.gonogo import (FAIL, GO, NO_GO, PASS, REQUIRED_GATES, SKIP, GateResult, authorize_training,
+                                     build_record, check_go_record, decide, record_path, write_record)
+
+REPO = Path(__file__).resolve().parent.parent
+NOW = 1_800_000_000.0
+CODE = CodeIdentity(commit="a" * 40, commit_source="git", dirty=False, source_digest="d" * 64)
+ENV = {"python": "3.11.7", "torch": "2.4.1", "cuda": "12.4", "triton": "3.0.0",
+       "gpus": [{"index": 0, "name": "NVIDIA H100", "capability": "9.0"}]}
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(REPO / "configs" / "tiny-cpu.yaml").replace(**{"train.steps": 6000, "train.save_every": 600})
+
+
+def gates(**verdicts) -> list[GateResult]:
+    return [GateResult(name, verdicts.get(name.replace("-", "_"), PASS), "detail", NOW - 100, NOW - 50)
+            for name in REQUIRED_GATES]
+
+
+def make_record(cfg, tmp_path, *, gate_results=None, code=CODE, finished=NOW) -> Path:
+    record = build_record(cfg=cfg, config_path="configs/x.yaml", overrides=[], resume=False, code=code, env=ENV,
+                          gates=gate_results if gate_results is not None else gates(), started_unix=finished - 600,
+                          finished_unix=finished, host="gpu-host")
+    return write_record(record, tmp_path)
+
+
+def go_check(cfg, path, *, code=CODE, now=NOW):
+    return check_go_record(path, config_hash=cfg.config_hash(), code=code, now_unix=now)
+
+
+# -- decision -------------------------------------------------------------------------------------------------
+def test_go_only_when_every_required_gate_passed():
+    assert decide(gates()) == (GO, [])
+    decision, reasons = decide(gates(sentinels_gpu=FAIL))
+    assert decision == NO_GO and reasons == ["gate sentinels-gpu: FAIL: detail"]
+    decision, reasons = decide(gates(env=FAIL, conformance_gpu=SKIP, sentinels_gpu=SKIP))
+    assert decision == NO_GO and len(reasons) == 3
+
+
+def test_a_missing_gate_is_no_go():
+    decision, reasons = decide([g for g in gates() if g.name != "conformance-gpu"])
+    assert decision == NO_GO and reasons == ["gate conformance-gpu did not run"]
+
+
+def test_record_fields(cfg, tmp_path):
+    path = make_record(cfg, tmp_path)
+    assert path == tmp_path / f"{cfg.config_hash()}.json" == record_path(cfg.config_hash(), tmp_path)
+    record = json.loads(path.read_text())
+    assert record["decision"] == GO and record["config_hash"] == cfg.config_hash()
+    assert record["code"]["commit"] == CODE.commit and record["code"]["source_digest"] == CODE.source_digest
+    assert record["gpus"][0]["name"] == "NVIDIA H100" and record["versions"]["torch"] == "2.4.1"
+    assert [g["name"] for g in record["gates"]] == list(REQUIRED_GATES)
+    assert all({"verdict", "exit_code", "reports", "started_at", "finished_at", "duration_s"} <= set(g)
+               for g in record["gates"])
+    assert record["gates"][0]["duration_s"] == 50.0 and record["finished_unix"] == NOW
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# -- the launch check ------------------------------------------------------------------------------------------
+def test_fresh_go_record_authorizes(cfg, tmp_path):
+    check = go_check(cfg, make_record(cfg, tmp_path), now=NOW + 3600)
+    assert check.ok, check.reason
+
+
+def test_missing_record_refuses(cfg, tmp_path):
+    check = go_check(cfg, record_path(cfg.config_hash(), tmp_path))
+    assert not check.ok and check.reason.startswith("no GO record at") and "nox -s preflight" in check.reason
+
+
+def test_no_go_record_refuses_with_its_reasons(cfg, tmp_path):
+    path = make_record(cfg, tmp_path, gate_results=gates(conformance_gpu=FAIL, sentinels_gpu=SKIP))
+    check = go_check(cfg, path)
+    assert not check.ok and "is NO-GO" in check.reason and "gate conformance-gpu: FAIL" in check.reason
+
+
+@pytest.mark.parametrize("age_s,ok", [(policy.GO_RECORD_MAX_AGE_S, True), (policy.GO_RECORD_MAX_AGE_S + 1, False),
+                                      (3 * 24 * 3600, False)])
+def test_stale_record_refuses(cfg, tmp_path, age_s, ok):
+    check = go_check(cfg, make_record(cfg, tmp_path), now=NOW + age_s)
+    assert check.ok is ok
+    if not ok:
+        assert "is stale" in check.reason
+
+
+def test_future_dated_record_refuses(cfg, tmp_path):
+    path = make_record(cfg, tmp_path, finished=NOW + policy.GO_RECORD_MAX_CLOCK_SKEW_S + 60)
+    check = go_check(cfg, path)
+    assert not check.ok and "in the future" in check.reason
+    assert go_check(cfg, make_record(cfg, tmp_path, finished=NOW + 10)).ok  # small skew is tolerated
+
+
+def test_mismatched_commit_refuses(cfg, tmp_path):
+    path = make_record(cfg, tmp_path)
+    other = CodeIdentity(commit="b" * 40, commit_source="git", dirty=False, source_digest=CODE.source_digest)
+    check = go_check(cfg, path, code=other)
+    assert not check.ok and f"made at commit {'a' * 40}, this checkout is at {'b' * 40}" in check.reason
+
+
+def test_mismatched_source_digest_refuses(cfg, tmp_path):
+    path = make_record(cfg, tmp_path)
+    edited = CodeIdentity(commit=CODE.commit, commit_source="git", dirty=True, source_digest="e" * 64)
+    check = go_check(cfg, path, code=edited)
+    assert not check.ok and "other source files" in check.reason
+
+
+def test_mismatched_config_refuses(cfg, tmp_path):
+    """A record made for another config, placed where this config's record would be, does not authorize it."""
+    other = cfg.replace(**{"train.lr": 1e-3})
+    made = make_record(other, tmp_path)
+    target = record_path(cfg.config_hash(), tmp_path)
+    made.rename(target)
+    check = go_check(cfg, target)
+    assert not check.ok and f"is for config hash {other.config_hash()}" in check.reason
+    assert not go_check(other, record_path(other.config_hash(), tmp_path)).ok  # and is not found for its own
+
+
+def test_go_record_with_a_failed_gate_is_inconsistent(cfg, tmp_path):
+    path = make_record(cfg, tmp_path)
+    record = json.loads(path.read_text())
+    record["gates"][3]["verdict"] = FAIL  # hand-edited: decision still says GO
+    path.write_text(json.dumps(record))
+    check = go_check(cfg, path)
+    assert not check.ok and "inconsistent" in check.reason and "conformance-gpu" in check.reason
+
+
+def test_go_record_missing_a_gate_is_inconsistent(cfg, tmp_path):
+    path = make_record(cfg, tmp_path)
+    record = json.loads(path.read_text())
+    record["gates"] = [g for g in record["gates"] if g["name"] != "sentinels-gpu"]
+    path.write_text(json.dumps(record))
+    assert "inconsistent" in go_check(cfg, path).reason
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", json.dumps({"decision": "GO"})])
+def test_unreadable_record_refuses(cfg, tmp_path, content):
+    path = record_path(cfg.config_hash(), tmp_path)
+    path.write_text(content)
+    check = go_check(cfg, path)
+    assert not check.ok and "not a readable GO record" in check.reason
+
+
+def test_other_schema_refuses(cfg, tmp_path):
+    path = make_record(cfg, tmp_path)
+    record = json.loads(path.read_text())
+    record["schema"] = policy.RECORD_SCHEMA + 1
+    path.write_text(json.dumps(record))
+    assert "schema" in go_check(cfg, path).reason
+
+
+def test_copied_tree_without_git_is_matched_by_source_digest(cfg, tmp_path):
+    given = CodeIdentity(commit="a" * 40, commit_source="given", dirty=None, source_digest=CODE.source_digest)
+    path = make_record(cfg, tmp_path, code=given)
+    no_git = CodeIdentity(commit=None, commit_source="unknown", dirty=None, source_digest=CODE.source_digest)
+    assert go_check(cfg, path, code=no_git).ok
+    changed = CodeIdentity(commit=None, commit_source="unknown", dirty=None, source_digest="f" * 64)
+    assert not go_check(cfg, path, code=changed).ok
+
+
+def test_a_later_no_go_replaces_an_earlier_go(cfg, tmp_path):
+    make_record(cfg, tmp_path)
+    path = make_record(cfg, tmp_path, gate_results=gates(sentinels_gpu=FAIL))
+    assert not go_check(cfg, path).ok
+
+
+# -- the trainer's authorization ------------------------------------------------------------------------------
+def test_short_run_needs_no_record(cfg, tmp_path):
+    short = cfg.replace(**{"train.steps": policy.LONG_RUN_STEPS - 1})
+    auth = authorize_training(short, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW)
+    assert auth.allowed and auth.metadata == {"long_run": False, "steps": policy.LONG_RUN_STEPS - 1}
+
+
+def test_long_run_without_record_is_refused(cfg, tmp_path):
+    auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW)
+    assert not auth.allowed
+    assert "refusing a 6000-step run" in auth.reason and "--i-know-what-im-doing" in auth.reason
+
+
+def test_long_run_override_is_allowed_and_logged(cfg, tmp_path, caplog):
+    auth = authorize_training(cfg, i_know_what_im_doing=True, records_dir=tmp_path, code=CODE, now_unix=NOW)
+    assert auth.allowed and auth.metadata["override"] is True and auth.metadata["go_record_valid"] is False
+    assert "no GO record" in auth.metadata["go_check"]
+    assert any("OVERRIDDEN" in r.getMessage() for r in caplog.records)
+
+
+def test_long_run_with_valid_record_is_allowed_without_override(cfg, tmp_path):
+    make_record(cfg, tmp_path)
+    auth = authorize_training(cfg, i_know_what_im_doing=True, records_dir=tmp_path, code=CODE, now_unix=NOW + 60)
+    assert auth.allowed and auth.metadata["go_record_valid"] is True and auth.metadata["override"] is False
+
+
+def test_long_run_with_stale_record_is_refused(cfg, tmp_path):
+    make_record(cfg, tmp_path)
+    auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE,
+                              now_unix=NOW + policy.GO_RECORD_MAX_AGE_S + 1)
+    assert not auth.allowed and "stale" in auth.reason
+
+
+def test_default_clock_is_now(cfg, tmp_path):
+    make_record(cfg, tmp_path, finished=time.time() - 10)
+    assert authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE).allowed
