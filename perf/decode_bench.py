@@ -114,7 +114,8 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
     g = torch.Generator(device=device).manual_seed(context + batch)
     steps = args.warmup + args.steps
     phi = PhiWeights.init(cfg, cfg.head_dim_qk, dtype=dtype, device=device) if cfg.phi == "mlp" else None
-    cache = NSADecodeCache(cfg, batch, context + steps, dtype=dtype, device=device, phi=phi, compile=case.compiled)
+    cache = NSADecodeCache(cfg, batch, context + steps, dtype=dtype, device=device, phi=phi,
+                           compile_stages=case.compiled)
     prompt = BranchKV.shared(  # one k/v for the three branches of the fill (the cache stores them separately)
         torch.randn((batch, context - 1, cfg.n_kv_heads, cfg.head_dim_qk), generator=g, device=device, dtype=dtype),
         torch.randn((batch, context - 1, cfg.n_kv_heads, cfg.head_dim_v), generator=g, device=device, dtype=dtype))

@@ -308,12 +308,12 @@ def test_bad_inputs_raise_value_errors_naming_the_rule():
 
 @pytest.mark.slow
 def test_compiled_stages_give_the_same_decode():
-    """compile=True (torch.compile of the plan, selection and gate stages; ~1 min of compilation on CPU)."""
+    """compile_stages=True (torch.compile of the plan, selection and gate stages; ~1 min of compilation on CPU)."""
     cfg = SMALL
     x = make_inputs(cfg, 40, B=2, seed=1, dtype=torch.float32)
     results = []
     for compile_stages in (False, True):
-        cache = NSADecodeCache(cfg, 2, 40, phi=x.phi, compile=compile_stages)
+        cache = NSADecodeCache(cfg, 2, 40, phi=x.phi, compile_stages=compile_stages)
         outs = [cache.prefill(x.q[:, :10], tokens(x.kv, 0, 10), x.gates[:, :10])]
         outs += [cache.extend(x.q[:, t:t + 3], tokens(x.kv, t, t + 3), x.gates[:, t:t + 3]) for t in range(10, 37, 3)]
         outs.append(cache.step(x.q[:, 37:38], tokens(x.kv, 37, 38), x.gates[:, 37:38]))

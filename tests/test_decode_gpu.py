@@ -107,11 +107,11 @@ def test_masked_decode_kernel_paper_layout():
     assert torch.equal(reads, mask.sum(-1)[:, :, None].expand(B, TQ, Hkv))
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_graph_replays_equal_eager_steps(compile):
+@pytest.mark.parametrize("compile_stages", [False, True])
+def test_graph_replays_equal_eager_steps(compile_stages):
     x = make_inputs(CFG, 420, B=2, seed=3, dtype=torch.bfloat16, device="cuda")
-    caches = [NSADecodeCache(CFG, 2, 430, dtype=torch.bfloat16, device="cuda", phi=x.phi, compile=c)
-              for c in (False, compile)]
+    caches = [NSADecodeCache(CFG, 2, 430, dtype=torch.bfloat16, device="cuda", phi=x.phi, compile_stages=c)
+              for c in (False, compile_stages)]
     for cache in caches:
         cache.fill(tokens(x.kv, 0, 380), [380, 371])
     graph = DecodeGraph(caches[1], 430)

@@ -46,14 +46,14 @@ class NSADecodeCache:
     one token per row; extend(...) appends a chunk of TQ tokens per row (its queries are the last TQ positions).
     Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
     each branch gathered. backend: "torch" (any device), "triton" (the decode kernels; CPU needs
-    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). compile=True runs the torch stages of a call (planning, the
+    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). compile_stages=True runs the torch stages of a call (planning, the
     Eq. 8-11 seams, the gates) through torch.compile (one compilation per shape, for long GPU decodes; eager calls
     then scan up to the next power of two of the longest row, so shapes change rarely).
     """
 
     def __init__(self, cfg: NSAConfig, batch_size: int, capacity: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", phi: PhiWeights | None = None, backend: str = "auto",
-                 compile: bool = False):
+                 compile_stages: bool = False):
         if not isinstance(cfg, NSAConfig):
             raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
@@ -77,10 +77,10 @@ class NSADecodeCache:
         self.window = TokenBuffer.empty(B, H, window_capacity(cfg), dk, dv, **shape)  # ring
         self.device_lengths = torch.zeros(B, dtype=torch.int64, device=self.device)
         self._lengths = torch.zeros(B, dtype=torch.int64)
-        # The pure torch stages of a call (the seams included); compile=True fuses each into a few kernels.
+        # The pure torch stages of a call (the seams included); compile_stages=True fuses each into a few kernels.
         stages = (plan_call, branches.select, gate_real)
-        self.compiled = compile
-        if compile:
+        self.compiled = compile_stages
+        if compile_stages:
             stages = tuple(torch.compile(stage, dynamic=False) for stage in stages)
         self._plan, self._select, self._gate = stages
 
@@ -174,6 +174,8 @@ class NSADecodeCache:
         (it sizes the compressed-token and selection-block ranges the call scans); emit=False skips Eq. 7 when no
         row completes a compressed block. Advances device_lengths; the caller keeps the host copy
         (set_host_lengths)."""
+        if not 1 <= bound <= self.capacity:
+            raise ValueError(f"advance: bound must be in 1..capacity ({self.capacity}), got {bound}")
         cfg = self.cfg
         L = self.device_lengths
         plan = self._plan(L, n_new, kv, self.cmp_raw.usable(), self.window.usable(), cfg, self.phi, emit=emit,
