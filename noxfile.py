@@ -54,3 +54,56 @@ def perf_cpu(session: nox.Session) -> None:
                 *session.posargs)
     session.run("python", "-m", "perf", "compare", "--results", f"{tmp}/perf/results.csv", "--baseline",
                 f"{tmp}/baselines")
+
+
+# ------------------------------------------------------------------------------------------ launch gate (issue 7)
+RUFF = "ruff==0.17.6"
+
+
+def require_gpu(session: nox.Session) -> None:
+    """Fail fast in a session that runs in the current interpreter: torch must import there and see a GPU."""
+    import subprocess
+    import sys
+
+    probe = ("import torch, sys; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
+             "print(f'{torch.__version__} cuda={torch.version.cuda} gpus={n}'); sys.exit(0 if n else 3)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if done.returncode == 3:
+        session.error(f"no GPU visible to {sys.executable} (torch {done.stdout.strip()}): this session needs a "
+                      f"CUDA device; run it on the GPU host (docs/runbook.md)")
+    if done.returncode != 0:
+        session.error(f"torch does not import in {sys.executable}, the interpreter running nox (GPU sessions use "
+                      f"it, nothing is installed): {done.stderr.strip().splitlines()[-1:]}")
+
+
+@nox.session(venv_backend="none")
+def preflight(session: nox.Session) -> None:
+    """GPU launch gate: env, config preflight, conformance-gpu, sentinels-gpu -> reports/preflight/<hash>.json.
+
+    Runs in the current interpreter (nothing installed) on the GPU host; GO only if every gate passed.
+    `-- --config configs/X.yaml [-o key=value ...] [--resume] [--commit SHA]` (docs/runbook.md)."""
+    import sys
+
+    require_gpu(session)
+    session.run(sys.executable, "-m", "sentinels.launch", "preflight", *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def launch(session: nox.Session) -> None:
+    """Start the trainer with torchrun, only if a GO record (< 24 h old) names this commit and this config.
+
+    Runs in the current interpreter on the GPU host.
+    `-- --config configs/X.yaml [--nproc N] [-o key=value ...] [--resume] [--commit SHA]` (docs/runbook.md)."""
+    import sys
+
+    require_gpu(session)
+    session.run(sys.executable, "-m", "sentinels.launch", "launch", *session.posargs, external=True)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff (pinned) with the conservative rule set of pyproject.toml [tool.ruff] (pyflakes, E4/E7/E9).
+
+    Syntax errors, undefined names, unused imports and variables, bad comparisons. Posargs go to `ruff check`."""
+    session.install(RUFF)
+    session.run("ruff", "check", *session.posargs, ".")

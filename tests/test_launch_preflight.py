@@ -10,6 +10,7 @@ import pytest
 
 from sentinels.config import load_config
 from sentinels.launch import cli, policy
+from sentinels.launch.env import EnvFacts
 from sentinels.launch.preflight import check_config, format_resolved
 
 REPO = Path(__file__).resolve().parent.parent
@@ -187,7 +188,7 @@ def test_format_resolved_prints_the_config_and_its_hash(long_cfg):
         format_resolved(long_cfg, check(cfg))
 
 
-def test_config_command_exit_codes(tmp_path, capsys):
+def test_config_command_exit_codes(tmp_path, capsys, monkeypatch):
     good = tmp_path / "ok.yaml"
     good.write_text((REPO / "configs" / "tiny-cpu.yaml").read_text().replace("runs/tiny-cpu", str(tmp_path / "o")))
     assert cli.main(["config", "--config", str(good)]) == 0
@@ -195,3 +196,8 @@ def test_config_command_exit_codes(tmp_path, capsys):
     assert cli.main(["config", "--config", str(good), "-o", "train.seq_len=60"]) == 1
     assert cli.main(["config", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "collect_env_facts", lambda: EnvFacts("3.11.7", "2.13.0+cpu", None, "3.7.1", ()))
+    on_gpu = ["config", "--config", str(good), "-o", "train.device=cuda", "-o", "train.precision=bf16"]
+    assert cli.main(on_gpu) == 1  # judged on this (GPU-less) machine: train.device cuda with no GPU
+    assert "[device]" in capsys.readouterr().out
+    assert cli.main([*on_gpu, "--assume-gpu"]) == 0

@@ -39,7 +39,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.override)
     facts = collect_env_facts()
-    verdict = check_config(cfg, gpu_visible=bool(facts.gpus), resume=args.resume)
+    verdict = check_config(cfg, gpu_visible=args.assume_gpu or bool(facts.gpus), resume=args.resume)
     print(format_resolved(cfg, verdict))
     return 0 if verdict.ok else 1
 
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         .set_defaults(func=cmd_env)
     config = sub.add_parser("config", help="config preflight only: resolved config, hash, refusals")
     _config_args(config)
+    config.add_argument("--assume-gpu", action="store_true",
+                        help="judge the config as on a GPU host (to check a GPU config on a CPU machine)")
     config.set_defaults(func=cmd_config)
     pre = sub.add_parser("preflight", help="all gates, then reports/preflight/<config-hash>.json (GO/NO-GO)")
     _config_args(pre)
