@@ -27,9 +27,39 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """Main job: run the conformance properties against --impl (CPU), print the verdict, write reports/conformance/."""
+    """Main job: the conformance properties against an NSA implementation on CPU (default `--impl optimized`):
+    prints the PASS / FAIL / NOT COVERED table, writes reports/conformance/<impl>-cpu.json and .md, compares
+    metrics with reports/baselines/conformance.json; exit 1 on any FAIL. Posargs go to pytest, e.g.
+    `-- --impl reference`, `-- --impl mypkg.adapter:IMPL` (docs/adapters.md), `-- --preset equal_blocks`,
+    `-- --update-baseline`."""
     install_cpu(session)
-    session.run("pytest", "-q", "conformance", *session.posargs)
+    session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized",
+                "--report-dir", "reports/conformance", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})  # tiny tensors: intra-op threads only add overhead
+
+
+@nox.session(name="conformance-gpu", venv_backend="none")
+def conformance_gpu(session: nox.Session) -> None:
+    """The conformance properties on CUDA tensors in the current interpreter (nothing installed; fails fast
+    without a GPU), in float32 and in bfloat16 (the precision of the error-ratio checks; float64 checks run in
+    both). Default `--impl optimized`; reports go to reports/conformance/ (or $OUT/reports/conformance when OUT
+    is set): <impl>-cuda.json/.md (float32) and <impl>-cuda-bfloat16.json/.md. Posargs go to both pytest runs;
+    with `-- --update-baseline` the baseline file is also copied to $OUT/reports/baselines/ when OUT is set."""
+    import os
+    import shutil
+    import sys
+
+    require_gpu(session)
+    out = os.environ.get("OUT")
+    report_dir = os.path.join(out, "reports", "conformance") if out else os.path.join("reports", "conformance")
+    for dtype in ("float32", "bfloat16"):
+        session.run(sys.executable, "-m", "pytest", "-q", "conformance", "--properties-only", "--impl", "optimized",
+                    "--device", "cuda", "--dtype", dtype, "--report-dir", report_dir, *session.posargs,
+                    external=True)
+    if out and "--update-baseline" in session.posargs:
+        target = os.path.join(out, "reports", "baselines")
+        os.makedirs(target, exist_ok=True)
+        shutil.copy(os.path.join("reports", "baselines", "conformance.json"), target)
 
 
 @nox.session(venv_backend="none")

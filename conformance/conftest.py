@@ -2,7 +2,8 @@
 
 Options: --impl (what to check), --device (where its inputs live), --dtype (the low precision its
 error-ratio checks run in), --preset (the NSAConfig conventions checked), --report-dir (write
-<impl>-<device>.json/.md there), --baseline / --update-baseline (deterministic metrics).
+<impl>-<device>.json/.md there), --baseline / --update-baseline (deterministic metrics), --properties-only
+(deselect tests that are not conformance properties).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="baseline of deterministic metrics to compare with")
     group.addoption("--update-baseline", action="store_true", default=False,
                     help="write this run's metrics into --baseline")
+    group.addoption("--properties-only", action="store_true", default=False,
+                    help="run only the property modules (those declaring PROPERTY), not the self-test or the "
+                         "optimized-specific parity/kernel tests that ignore --impl")
 
 
 def pytest_configure(config: pytest.Config) -> None:

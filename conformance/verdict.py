@@ -100,7 +100,13 @@ class VerdictPlugin:
         self.suite_dir = Path(__file__).parent.resolve()
 
     # Collection: tag each conformance item with its property --------------------------------------
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if config.getoption("--properties-only"):
+            kept = [item for item in items if self._is_property(item)]
+            dropped = [item for item in items if not self._is_property(item)]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+                items[:] = kept
         for item in items:
             module = getattr(item, "module", None)
             path = Path(str(getattr(item, "path", ""))).resolve()
@@ -110,6 +116,13 @@ class VerdictPlugin:
             name = getattr(module, "PROPERTY", None) or f"(no PROPERTY) {rel}"
             equation = getattr(module, "EQUATION", None) or "-"
             item.user_properties.append((PROPERTY_KEY, (name, equation, rel)))
+
+    def _is_property(self, item: pytest.Item) -> bool:
+        """A test of a conformance property module (declares PROPERTY; the self-test is not a property)."""
+        path = Path(str(getattr(item, "path", ""))).resolve()
+        module = getattr(item, "module", None)
+        return (module is not None and self.suite_dir in path.parents and hasattr(module, "PROPERTY")
+                and (self.suite_dir / "selftest") not in path.parents)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):

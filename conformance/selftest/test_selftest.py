@@ -60,23 +60,14 @@ def test_broken_variant_is_caught(variant, tmp_path):
         f"{[f for p in failed for f in p['failures']]}):\n{tail(proc)}")
 
 
-def property_modules() -> list[str]:
-    """Every conformance/test_*.py module declaring a PROPERTY (the properties the verdict table reports)."""
-    out = []
-    for path in sorted((ROOT / "conformance").glob("test_*.py")):
-        if any(line.startswith("PROPERTY = ") for line in path.read_text().splitlines()):
-            out.append(path.relative_to(ROOT).as_posix())
-    return out
-
-
 def test_unbroken_optimized_passes_every_property(tmp_path):
     """Control: optimized passes all property modules and its metrics stay within the committed baseline."""
-    proc, report = run_suite("optimized", property_modules(), tmp_path, stop_at_first_failure=False,
+    proc, report = run_suite("optimized", ["conformance", "--properties-only"], tmp_path, stop_at_first_failure=False,
                              baseline=str(ROOT / "reports" / "baselines" / "conformance.json"))
     assert report is not None, f"no report (exit {proc.returncode}):\n{tail(proc)}"
     bad = {p["property"]: p["failures"] + p["baseline_regressions"] for p in report["properties"]
            if p["verdict"] != "PASS"}
-    RESULTS["(unbroken optimized)"] = {"modules": property_modules(), "exit": proc.returncode,
+    RESULTS["(unbroken optimized)"] = {"modules": ["conformance --properties-only"], "exit": proc.returncode,
                                        "caught_by": None, "failure": None, "verdicts": {
                                            p["property"]: p["verdict"] for p in report["properties"]}}
     assert proc.returncode == 0 and not bad, f"optimized does not pass the suite: {bad}\n{tail(proc)}"
