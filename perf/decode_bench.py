@@ -107,8 +107,9 @@ def random_tokens(cfg: NSAConfig, B: int, T: int, dtype, device, g: torch.Genera
     return BranchKV(*(KV(rnd(cfg.head_dim_qk), rnd(cfg.head_dim_v)) for _ in range(3)))
 
 
-def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.device, timer: Timer) -> Case:
-    case = Case(context, batch, compiled=args.compile and device.type == "cuda")
+def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.device, timer: Timer,
+             compiled: bool) -> Case:
+    case = Case(context, batch, compiled=compiled)
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(context + batch)
@@ -364,8 +365,18 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - start > args.budget_s:
                 cases.append(Case(context, batch, note="skipped: time budget"))
                 continue
+            compiled = args.compile and device.type == "cuda"
             try:
-                case = run_case(cfg, context, batch, args, device, timer)
+                try:
+                    case = run_case(cfg, context, batch, args, device, timer, compiled)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # torch.compile of the stages failed: measure with eager stages
+                    if not compiled:
+                        raise
+                    torch.cuda.empty_cache()
+                    case = run_case(cfg, context, batch, args, device, timer, False)
+                    case.note += f"compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:100]}); "
             except torch.cuda.OutOfMemoryError as exc:
                 case = Case(context, batch, note=f"out of memory: {str(exc).splitlines()[0][:80]}")
             cases.append(case)
