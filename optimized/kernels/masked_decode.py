@@ -7,6 +7,7 @@ queries of all heads of the group form one [BLOCK_H, BLOCK_DK] tile, each K/V ti
 online softmax in fp32 (base 2). The mask decides which keys enter the softmax and is counted (reads). With
 want_logits the program also writes the scaled logits q.k/sqrt(d_k) of every key in range (masked or not), the
 input of the Eq. 8-11 seams, so the compressed keys are read once for both the branch and the selection.
+Precision as in selected_decode: q.k in the inputs' dtype with fp32 accumulation, p.v with fp32 probabilities.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def _masked_decode_kernel(
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc += tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(probs.to(v.dtype), v)
+        else:  # probabilities stay fp32 (tf32 keeps 10 mantissa bits, bf16 7); bf16/fp16 values are exact in tf32
+            acc += tl.dot(probs, v.to(tl.float32), input_precision="tf32")
         m_i = m_new
 
     reads = tl.sum(count, 0)

@@ -6,6 +6,9 @@ blocks in key tiles of BLOCK_N rows (one K/V load serves every head of the group
 (base 2), and counts the keys it admitted. Split-K (decode_splits) spreads a row's n selected blocks over several
 programs when there are too few rows to fill the GPU (batch 1).
 
+Precision: q.k on the inputs' dtype with fp32 accumulation (bf16/fp16 products are exact); p.v with the
+probabilities kept in fp32 (tf32 dot; fp32 inputs and the interpreter use exact fp32 dots throughout).
+
 Keys live in the decode cache's head-major history buffer k [B, Hkv, S, dk] (token t in slot t); a query at
 position p reads the tokens of its selected blocks that are <= p (block J is partial). Position -1 marks a
 padding query: it reads nothing and gets 0.
@@ -96,8 +99,8 @@ def _selected_decode_kernel(
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc += tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(probs.to(v.dtype), v)
+        else:  # probabilities stay fp32 (tf32 keeps 10 mantissa bits, bf16 7); bf16/fp16 values are exact in tf32
+            acc += tl.dot(probs, v.to(tl.float32), input_precision="tf32")
         m_i = m_new
 
     reads = tl.sum(count, 0)
