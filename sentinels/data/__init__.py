@@ -1,0 +1,1 @@
+"""Data pipeline: tokenizers, document sources, token-window batches with next-token labels."""

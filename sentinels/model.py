@@ -1,0 +1,241 @@
+"""A small decoder-only language model with NSA attention (RMSNorm, SwiGLU MLP; RoPE lives in NSAAttention).
+
+The attention class is injectable (`model.attention: optimized | reference`). Each layer wraps its
+NSAAttention in `NSALayerAttention`, which calls the module's own seams (project -> functional_forward ->
+o_proj) so that it can
+  * record gate statistics (Eq. 5 gates g^c, computed inside the module) and selection statistics
+    (distinct selected blocks, Eq. 6 reads counted by the implementation) of the last forward, and
+  * apply the DEBUG switches of the sentinel self-test (planted leaks, gate overrides; config.DebugConfig).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from reference.config import NSAConfig
+from reference.contract import KV, BRANCHES, BranchKV, NSAOutput
+
+from .config import DebugConfig, ModelConfig, RunConfig
+
+_REQUIRED_SEAMS = ("project", "functional_forward", "phi_weights", "o_proj")
+
+
+def attention_class(name: str) -> type[nn.Module]:
+    """The NSAAttention class named by model.attention."""
+    if name == "reference":
+        from reference import NSAAttention
+
+        return NSAAttention
+    if name == "optimized":
+        try:
+            import optimized
+        except ImportError as exc:  # pragma: no cover - the package ships with the project
+            raise ValueError(f"model.attention='optimized' but the optimized package cannot be imported: {exc}")
+        cls = getattr(optimized, "NSAAttention", None)
+        if cls is None:
+            raise ValueError("model.attention='optimized' but optimized.NSAAttention does not exist yet; "
+                             "set model.attention: reference")
+        return cls
+    raise ValueError(f"model.attention must be 'optimized' or 'reference', got {name!r}")
+
+
+def optimized_available() -> bool:
+    try:
+        attention_class("optimized")
+    except ValueError:
+        return False
+    return True
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class LayerStats:
+    """Statistics of one layer's last forward (detached, on the compute device)."""
+
+    gate_mean: Tensor  # [3] mean gate per branch (cmp, slc, win) over batch, positions, heads
+    gate_max: Tensor  # [3]
+    distinct_blocks: Tensor  # [] mean over (batch, KV group) of distinct selected block ids across positions
+    reads: Tensor  # [3] int64 total Eq. 6 reads per branch, summed over batch, positions, groups
+
+
+def shift_left(t: Tensor, by: int) -> Tensor:
+    """t[:, p] <- t[:, p + by] along the sequence dim (dim 1); the last `by` positions repeat the final one."""
+    if by <= 0 or t.shape[1] == 0:
+        return t
+    tail = t[:, -1:].expand(-1, min(by, t.shape[1]), *t.shape[2:])
+    return torch.cat([t[:, by:], tail], dim=1)[:, : t.shape[1]]
+
+
+class NSALayerAttention(nn.Module):
+    """One layer's NSA attention through the module's seams, with statistics and DEBUG switches."""
+
+    def __init__(self, inner: nn.Module, debug: DebugConfig):
+        super().__init__()
+        missing = [s for s in _REQUIRED_SEAMS if not hasattr(inner, s)]
+        if missing:
+            raise ValueError(f"{type(inner).__name__} lacks the NSAAttention seams {missing} "
+                             f"(needs {list(_REQUIRED_SEAMS)})")
+        self.inner = inner
+        self.debug = debug
+        self.last_stats: LayerStats | None = None
+
+    def _planted_faults(self, kv: BranchKV, gates: Tensor) -> tuple[BranchKV, Tensor]:
+        cfg: NSAConfig = self.inner.cfg
+        if self.debug.leak == "kv_next_token":
+            kv = BranchKV(*(KV(shift_left(b.k, 1), shift_left(b.v, 1)) for b in (kv.cmp, kv.slc, kv.win)))
+        elif self.debug.leak == "cmp_block_early":
+            kv = BranchKV(cmp=KV(shift_left(kv.cmp.k, cfg.cmp_stride), shift_left(kv.cmp.v, cfg.cmp_stride)),
+                          slc=kv.slc, win=kv.win)
+        if self.debug.gate_override == "locals_only":
+            keep = torch.tensor([0.0, 0.0, 1.0], dtype=gates.dtype, device=gates.device)
+            gates = gates * keep  # Eq. 5 with g_cmp = g_slc = 0
+        elif self.debug.gate_override == "saturated":
+            gates = gates * 0 + 1  # keeps the graph; every gate is exactly 1
+        return kv, gates
+
+    def forward(self, x: Tensor, position_offset: int = 0) -> Tensor:
+        B, T, _ = x.shape
+        q, kv, gates = self.inner.project(x, position_offset)
+        kv, gates = self._planted_faults(kv, gates)
+        # Everything inside the NSA call runs in the dtype of q (the implementations check dtypes match).
+        dtype = q.dtype
+        kv = BranchKV(*(KV(b.k.to(dtype), b.v.to(dtype)) for b in (kv.cmp, kv.slc, kv.win)))
+        out: NSAOutput = self.inner.functional_forward(q, kv, gates.to(dtype), self.inner.phi_weights())
+        self.last_stats = _layer_stats(gates, out, self.inner.cfg, T)
+        return self.inner.o_proj(out.o.reshape(B, T, -1).to(x.dtype))
+
+
+@torch.no_grad()
+def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int) -> LayerStats:
+    g = gates.detach().float().reshape(-1, 3)
+    idx = out.indices.detach()  # [B, T, Hkv, n], -1 padded
+    B, _, Hkv, _ = idx.shape
+    n_blocks = max(1, -(-T // cfg.sel_block))
+    rows = idx.permute(0, 2, 1, 3).reshape(B * Hkv, -1)  # [(b, g), T * n]
+    valid = rows >= 0
+    flat = torch.where(valid, rows + torch.arange(B * Hkv, device=rows.device)[:, None] * n_blocks,
+                       torch.full_like(rows, B * Hkv * n_blocks))
+    hits = torch.bincount(flat.reshape(-1), minlength=B * Hkv * n_blocks + 1)[:-1].view(B * Hkv, n_blocks)
+    distinct = (hits > 0).sum(dim=1).float().mean()
+    reads = torch.stack([getattr(out.reads, b).detach().sum() for b in BRANCHES])
+    return LayerStats(gate_mean=g.mean(0), gate_max=g.max(0).values, distinct_blocks=distinct, reads=reads)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, nsa: NSAConfig, attention_cls: type[nn.Module]):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        inner = attention_cls(cfg.d_model, nsa, gate_hidden=cfg.gate_hidden, phi_hidden=cfg.phi_hidden,
+                              rope_base=cfg.rope_base)
+        self.attn = NSALayerAttention(inner, cfg.debug)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class NSALanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        nsa = cfg.nsa_config()
+        attention_cls = attention_class(cfg.attention)
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(DecoderBlock(cfg, nsa, attention_cls) for _ in range(cfg.n_layers))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.activation_checkpointing = False
+
+    def _init_weights(self) -> None:
+        std = 0.02
+        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.blocks:
+            for lin in (block.mlp.gate_proj, block.mlp.up_proj):
+                nn.init.normal_(lin.weight, std=std)
+            # GPT-2 style: residual output projections scaled by 1/sqrt(2 * n_layers)
+            nn.init.normal_(block.mlp.down_proj.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+            nn.init.normal_(block.attn.inner.o_proj.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Logits [B, T, vocab] for input ids [B, T]."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+    def layer_stats(self) -> list[LayerStats]:
+        stats = [block.attn.last_stats for block in self.blocks]
+        if any(s is None for s in stats):
+            raise RuntimeError("layer statistics missing: the attention seams were not called in the last forward")
+        return stats
+
+
+def build_model(cfg: RunConfig) -> NSALanguageModel:
+    return NSALanguageModel(cfg.model, cfg.vocab_size())
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def count_parameters_for(cfg: RunConfig) -> int:
+    """Parameter count of the model a config describes, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = NSALanguageModel(cfg.model, cfg.vocab_size())
+    return count_parameters(model)
+
+
+def lm_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """Mean next-token cross-entropy in fp32; with loss_mask [B, T] (0/1) only masked-in positions count."""
+    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    if loss_mask is None:
+        return flat.mean()
+    weights = loss_mask.reshape(-1).to(flat.dtype)
+    total = weights.sum()
+    if total.item() == 0:
+        raise ValueError("loss_mask selects no position")
+    return (flat * weights).sum() / total

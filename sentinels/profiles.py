@@ -1,0 +1,75 @@
+"""Sentinel profiles: how big and how long each sentinel's runs are on CPU and on GPU.
+
+A profile has two models:
+  * the probe model (profile.probe_config) trains the learned sentinels (random-label, long-range, the planted
+    leaks): small, so that a few hundred steps separate a leak from a clean model;
+  * the run model (the --config under test, default profile.run_config) trains on real text for the loss
+    floor, gate collapse and watchdog sentinels: the configuration that is about to be launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    probe_config: Path  # YAML whose model section is the probe model
+    run_config: Path  # default --config for the real-text run
+    device: str  # cpu | cuda
+    precision: str  # fp32 | bf16
+    random_label: dict = field(default_factory=dict)  # dotted overrides of the probe config
+    long_range: dict = field(default_factory=dict)
+    real_text: dict = field(default_factory=dict)  # dotted overrides of the run config
+    gate_collapse_plant_steps: int = 0  # steps of the planted saturated-gate run (> gate_collapse.steps)
+    watchdog_plant_steps: int = 30
+    label_shift_batches: int = 8
+    eval_batches: int = 8
+    budget_s: float = 300.0  # wall-clock budget of the whole profile (runs stop when it is spent)
+    cpu_threads: int | None = None  # torch intra-op threads (tiny CPU models run faster on one thread, and
+    #                                 much faster than two on a shared 2-core machine)
+
+
+PROFILES = {
+    "cpu": Profile(
+        name="cpu",
+        probe_config=CONFIG_DIR / "tiny-cpu.yaml",
+        run_config=CONFIG_DIR / "tiny-cpu.yaml",
+        device="cpu",
+        precision="fp32",
+        random_label={"train.steps": 150, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 3e-3,
+                      "train.warmup_steps": 10, "data.synthetic.vocab_size": 64},
+        long_range={"train.steps": 100, "train.micro_batch_size": 16, "train.seq_len": 64, "train.lr": 1e-2,
+                    "train.warmup_steps": 10, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
+        real_text={"train.steps": 120, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 3e-3,
+                   "train.warmup_steps": 10},
+        gate_collapse_plant_steps=110,
+        budget_s=290.0,
+        cpu_threads=1,
+    ),
+    "gpu": Profile(
+        name="gpu",
+        probe_config=CONFIG_DIR / "gpu-smoke.yaml",
+        run_config=CONFIG_DIR / "prod-125m.yaml",
+        device="cuda",
+        precision="bf16",
+        random_label={"train.steps": 200, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
+                      "train.warmup_steps": 20, "data.synthetic.vocab_size": 512},
+        long_range={"train.steps": 300, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
+                    "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
+        real_text={"train.steps": 300, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 30},
+        gate_collapse_plant_steps=110,
+        watchdog_plant_steps=30,
+        budget_s=540.0,
+    ),
+}
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise ValueError(f"--profile must be one of {sorted(PROFILES)}, got {name!r}")
+    return PROFILES[name]

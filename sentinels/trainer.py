@@ -1,0 +1,584 @@
+"""The trainer: AdamW, warmup + cosine LR, grad clipping, gradient accumulation, bf16 autocast on CUDA,
+DDP through torchrun, atomic checkpoints with exact resume, monitors, and clean stops (.HALT, SIGTERM).
+
+Run directory (train.out_dir):
+    config.yaml, metadata.json         resolved config; hash, git commit, versions, tokenizer fingerprint
+    heartbeat.jsonl, metrics.csv       one record per step (rank 0)
+    events.jsonl                       monitor events (loss floor, gate collapse, watchdog, data fallback)
+    checkpoints/step_XXXXXXXX.pt       atomic (temp file + os.replace); checkpoints/latest.json points at the newest
+    loss_floor_dump.pt / .jsonl        the last batches when the loss-floor monitor trips
+    .HALT                              create it to stop after the next step (a checkpoint is written first)
+SIGTERM stops like .HALT; SIGUSR1 dumps every thread's stack to stderr (faulthandler).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import faulthandler
+import json
+import logging
+import math
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import RunConfig
+from .data.batch import Batch
+from .data.pipeline import BatchSource
+from .data.sources import ShardSpec
+from .data.tokenizers import get_tokenizer
+from .model import NSALanguageModel, build_model, count_parameters, lm_loss
+from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
+from .telemetry import ProgressBar, Telemetry
+
+log = logging.getLogger("sentinels.train")
+
+CHECKPOINT_DIR = "checkpoints"
+HALT_FILE = ".HALT"
+
+
+class TrainerError(RuntimeError):
+    """The run cannot start or resume (message says why)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; then join the process group (nccl on CUDA, gloo on CPU)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo()
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    initialized_here = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        initialized_here = True
+    return DistInfo(rank, world, local, initialized_here)
+
+
+def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainerError("train.device is 'cuda' but no CUDA device is visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schedule, RNG, metadata
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup over warmup_steps to lr, then cosine decay to min_lr at the last step."""
+    t = cfg.train
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    decay_steps = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def git_commit() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"commit": commit, "dirty": dirty}
+
+
+def versions() -> dict[str, Any]:
+    out = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+           "cuda": torch.version.cuda, "platform": platform.platform()}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["gpu_capability"] = list(torch.cuda.get_device_capability())
+    return out
+
+
+def tokenizer_info(cfg: RunConfig) -> dict[str, Any]:
+    if cfg.data.source == "synthetic":
+        return {"name": f"synthetic-{cfg.data.synthetic.task}", "vocab_size": cfg.vocab_size(),
+                "fingerprint": None, "configured": cfg.data.tokenizer}
+    tok = get_tokenizer(cfg.data.tokenizer)
+    return {"name": tok.name, "vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint,
+            "backend": getattr(tok, "backend", "python")}
+
+
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as fh:
+        fh.write(payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / CHECKPOINT_DIR / "latest.json"
+    if not pointer.exists():
+        return None
+    path = run_dir / CHECKPOINT_DIR / json.loads(pointer.read_text())["file"]
+    if not path.exists():
+        raise TrainerError(f"{pointer} names {path.name}, which does not exist")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    status: str  # completed | halted
+    steps_done: int  # optimizer steps completed in total (including before a resume)
+    halt_reason: str | None
+    records: list[dict] = field(default_factory=list)  # this process's step records (rank 0)
+    events: list[Event] = field(default_factory=list)
+    run_dir: Path | None = None
+
+
+class Trainer:
+    """Builds model, optimizer, data and monitors for a RunConfig; `train()` runs to the end or a halt.
+
+    batch_source / step_hook exist for the sentinel self-test (planted data stalls, planted NaN);
+    save_checkpoints=False is for throw-away sentinel runs."""
+
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, synthetic_on_fail: bool = False,
+                 batch_source: Any = None, step_hook: Callable[["Trainer", int], None] | None = None,
+                 console: bool = True, extra_metadata: dict[str, Any] | None = None,
+                 save_checkpoints: bool = True):
+        self.cfg = cfg
+        self.save_checkpoints = save_checkpoints
+        self.run_dir = Path(cfg.train.out_dir)
+        self.requested_device = cfg.train.device
+        self.device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+        self.dist = init_distributed(self.device.type)
+        self.step_hook = step_hook
+        self.console = console and self.dist.is_main
+        self.synthetic_on_fail = synthetic_on_fail
+        self.effective_precision = "bf16" if (cfg.train.precision == "bf16" and self.device.type == "cuda") else "fp32"
+        if cfg.train.precision == "bf16" and self.device.type != "cuda":
+            log.warning("train.precision is bf16 but the device is %s: running fp32", self.device.type)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        ckpt_path = latest_checkpoint(self.run_dir)
+        if resume and ckpt_path is None:
+            raise TrainerError(f"--resume: no checkpoint in {self.run_dir / CHECKPOINT_DIR}")
+        if not resume and ckpt_path is not None:
+            raise TrainerError(f"{self.run_dir} already holds checkpoints: pass --resume to continue it, or choose "
+                               f"another train.out_dir")
+
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
+        self.model: NSALanguageModel = build_model(cfg).to(self.device)
+        self.model.activation_checkpointing = cfg.train.activation_checkpointing
+        self.ddp = (DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda"
+                                            else None) if self.dist.active else None)
+        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr, betas=(t.beta1, t.beta2), fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, cfg) / t.lr)
+
+        self.events: list[Event] = []
+        shard = ShardSpec.for_rank(self.dist.rank, self.dist.world_size)
+        self.data = batch_source if batch_source is not None else BatchSource(
+            cfg, shard, synthetic_on_fail=synthetic_on_fail, on_fallback=self._on_data_fallback)
+        self.start_step = 0
+        if ckpt_path is not None:
+            self._load_checkpoint(ckpt_path)
+
+        self.loss_floor = LossFloorMonitor(cfg.monitors.loss_floor)
+        self.gate_collapse = GateCollapseMonitor(cfg.monitors.gate_collapse)
+        self.watchdog = Watchdog(cfg.monitors.watchdog)
+        # The loss floor is a statement about real text; synthetic tasks (needle recall) may legitimately reach 0.
+        self.monitors = ([self.loss_floor] if cfg.data.source != "synthetic" else []) + [self.gate_collapse,
+                                                                                         self.watchdog]
+        self.recent_batches: collections.deque = collections.deque(maxlen=cfg.monitors.loss_floor.dump_batches)
+        self.telemetry = Telemetry(self.run_dir, resume_step=self.start_step if resume else None) \
+            if self.dist.is_main else None
+        for event in self.events:  # a fallback that happened while the source was built
+            self._record_event(event)
+        if self.dist.is_main:
+            self._write_metadata(resumed_from=str(ckpt_path) if ckpt_path else None, extra=extra_metadata or {})
+        self._stop_signal: str | None = None
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.dist.active:
+            dist.barrier()
+
+    def _on_data_fallback(self, reason: str) -> None:
+        event = Event("data_fallback", getattr(self, "_current_step", 0),
+                      f"data source failed, training continues on SYNTHETIC tokens: {reason}",
+                      data={"reason": reason})
+        if getattr(self, "telemetry", None) is not None:
+            self._record_event(event)
+        else:
+            self.events.append(event)
+
+    def _record_event(self, event: Event) -> None:
+        if event not in self.events:
+            self.events.append(event)
+        if self.telemetry is not None:
+            self.telemetry.write_event(event)
+
+    def _write_metadata(self, resumed_from: str | None, extra: dict[str, Any]) -> None:
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        meta = {
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.config_hash(),
+            "git": git_commit(),
+            "versions": versions(),
+            "tokenizer": tokenizer_info(self.cfg),
+            "parameters": count_parameters(self.model),
+            "device": str(self.device),
+            "precision": {"configured": self.cfg.train.precision, "effective": self.effective_precision},
+            "world_size": self.dist.world_size,
+            "data": self.data.describe() if hasattr(self.data, "describe") else None,
+            "synthetic_on_fail": self.synthetic_on_fail,
+            "attention_class": f"{type(self.model.blocks[0].attn.inner).__module__}."
+                               f"{type(self.model.blocks[0].attn.inner).__name__}",
+            "resumed_from": resumed_from,
+            "start_step": self.start_step,
+            "argv": sys.argv,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **extra,
+        }
+        name = "metadata.json" if resumed_from is None else f"metadata.resume-{self.start_step:08d}.json"
+        atomic_write_bytes(self.run_dir / name, json.dumps(meta, indent=2, default=str).encode())
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if not self.dist.active:
+            return [obj]
+        out: list[Any] = [None] * self.dist.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not self.dist.active:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, next_step: int) -> Path | None:
+        data_states = self._gather(self.data.state_dict())
+        rng_states = self._gather(rng_state())
+        path = None
+        if self.dist.is_main:
+            ckpt_dir = self.run_dir / CHECKPOINT_DIR
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            path = ckpt_dir / f"step_{next_step:08d}.pt"
+            atomic_torch_save({
+                "step": next_step,
+                "config": self.cfg.to_dict(),
+                "config_hash": self.cfg.config_hash(),
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "data": data_states,
+                "rng": rng_states,
+                "monitor_counts": {"loss_floor_tripped": self.loss_floor.tripped},
+            }, path)
+            atomic_write_bytes(ckpt_dir / "latest.json", json.dumps({"file": path.name, "step": next_step}).encode())
+            kept = sorted(ckpt_dir.glob("step_*.pt"))
+            for old in kept[: -self.cfg.train.keep_checkpoints]:
+                old.unlink()
+        self._barrier()
+        return path
+
+    def _load_checkpoint(self, path: Path) -> None:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if ckpt["config_hash"] != self.cfg.config_hash():
+            diff = _dict_diff(ckpt["config"], self.cfg.to_dict())
+            raise TrainerError(f"--resume: {path} was written with a different config; differing keys: {diff}")
+        if len(ckpt["data"]) != self.dist.world_size:
+            raise TrainerError(f"--resume: checkpoint has {len(ckpt['data'])} ranks, this run has "
+                               f"{self.dist.world_size}")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.data.load_state_dict(ckpt["data"][self.dist.rank])
+        self._resume_rng = ckpt["rng"][self.dist.rank]
+        self.start_step = int(ckpt["step"])
+        log.info("resumed from %s at step %d", path, self.start_step)
+
+    # -- signals ---------------------------------------------------------------------------------
+    def _install_signals(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            self._stop_signal = "SIGTERM"
+            log.warning("SIGTERM received: stopping after this step (a checkpoint will be written)")
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        has_usr1 = hasattr(signal, "SIGUSR1")
+        if has_usr1:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+        def restore():
+            signal.signal(signal.SIGTERM, previous)
+            if has_usr1:
+                faulthandler.unregister(signal.SIGUSR1)
+
+        return restore
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.effective_precision == "bf16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg.train
+        net = self.ddp if self.ddp is not None else self.model
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            assert math.isclose(group["lr"], lr_at(step, self.cfg), rel_tol=1e-9), (group["lr"], step)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.zero_grad(set_to_none=True)
+        dt_fetch = 0.0
+        loss_sum = torch.zeros((), device=self.device)
+        n_layers = len(self.model.blocks)
+        gate_mean = torch.zeros(n_layers, 3, device=self.device)
+        gate_max = torch.zeros(n_layers, 3, device=self.device)
+        distinct = torch.zeros(n_layers, device=self.device)
+        reads = torch.zeros(n_layers, 3, dtype=torch.int64, device=self.device)
+        tokens = 0
+        t_start = time.perf_counter()
+        for micro in range(cfg.grad_accum):
+            t0 = time.perf_counter()
+            batch: Batch = self.data.next_batch()
+            self.recent_batches.append((step, micro, batch.inputs.clone()))
+            batch = batch.to(self.device)
+            dt_fetch += time.perf_counter() - t0
+            tokens += batch.n_tokens
+            sync = contextlib.nullcontext() if (self.ddp is None or micro == cfg.grad_accum - 1) \
+                else self.ddp.no_sync()
+            with sync:
+                with self._autocast():
+                    logits = net(batch.inputs)
+                loss = lm_loss(logits, batch.labels, batch.loss_mask)
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+            for i, s in enumerate(self.model.layer_stats()):
+                gate_mean[i] += s.gate_mean
+                gate_max[i] = torch.maximum(gate_max[i], s.gate_max)
+                distinct[i] += s.distinct_blocks
+                reads[i] += s.reads
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        finite = bool(torch.isfinite(grad_norm).item())
+        if finite:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        loss_mean = loss_sum / cfg.grad_accum
+        if self.dist.active:
+            dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG if self.device.type == "cuda" else dist.ReduceOp.SUM)
+            if self.device.type != "cuda":
+                loss_mean /= self.dist.world_size
+        gate_mean /= cfg.grad_accum
+        distinct /= cfg.grad_accum
+        loss_value = float(loss_mean.item())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt_total = time.perf_counter() - t_start
+        gm, gx, rd = gate_mean.tolist(), gate_max.tolist(), reads.sum(0).tolist()
+        mib = 2.0 ** 20
+        record = {
+            "step": step,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": float(grad_norm.item()),
+            "update_skipped": not finite,
+            "tokens": tokens * self.dist.world_size,
+            "tokens_per_s": tokens * self.dist.world_size / max(dt_total, 1e-9),
+            "dt_fetch_s": dt_fetch,
+            "dt_step_s": dt_total - dt_fetch,
+            "mem_allocated_mib": torch.cuda.memory_allocated(self.device) / mib if self.device.type == "cuda" else None,
+            "mem_reserved_mib": torch.cuda.memory_reserved(self.device) / mib if self.device.type == "cuda" else None,
+            "sel_distinct_blocks": float(distinct.mean().item()),
+            "reads_cmp": rd[0], "reads_slc": rd[1], "reads_win": rd[2], "reads_total": sum(rd),
+            "gate_mean_per_layer": gm,
+            "gate_max_per_layer": gx,
+            "wall_time": time.time(),
+        }
+        for b, name in enumerate(("cmp", "slc", "win")):
+            record[f"gate_mean_{name}"] = sum(layer[b] for layer in gm) / n_layers
+            record[f"gate_max_{name}"] = max(layer[b] for layer in gx)
+        return record
+
+    def _dump_recent_batches(self) -> None:
+        if not self.dist.is_main:
+            return
+        dump = [{"step": s, "micro": m, "inputs": x} for s, m, x in self.recent_batches]
+        atomic_torch_save(dump, self.run_dir / "loss_floor_dump.pt")
+        lines = []
+        if self.cfg.data.source != "synthetic":
+            tok = get_tokenizer(self.cfg.data.tokenizer)
+            for item in dump:
+                for row in item["inputs"].tolist():
+                    lines.append(json.dumps({"step": item["step"], "micro": item["micro"], "text": tok.decode(row)}))
+        atomic_write_bytes(self.run_dir / "loss_floor_dump.jsonl", "".join(l + "\n" for l in lines).encode())
+
+    def train(self) -> TrainResult:
+        cfg = self.cfg.train
+        if hasattr(self, "_resume_rng"):
+            set_rng_state(self._resume_rng)
+        restore_signals = self._install_signals()
+        heartbeat = HeartbeatWatchdog(self.cfg.monitors.watchdog.heartbeat_stall_s, self._on_heartbeat_stall).start()
+        progress = ProgressBar(cfg.steps, cfg.log_every) if self.console else None
+        records: list[dict] = []
+        status, halt_reason, step = "completed", None, self.start_step
+        halt_path = self.run_dir / HALT_FILE
+        try:
+            for step in range(self.start_step, cfg.steps):
+                self._current_step = step
+                if self.step_hook is not None:
+                    self.step_hook(self, step)
+                record = self._train_step(step)
+                heartbeat.beat(step)
+                records.append(record)
+                halt_now = None
+                if self.dist.is_main:
+                    self.telemetry.write_step(record)
+                    if progress:
+                        progress.update(record)
+                    for monitor in self.monitors:
+                        for event in monitor.observe(record):
+                            self._record_event(event)
+                            if event.kind == "loss_floor":
+                                self._dump_recent_batches()
+                            if event.halt:
+                                halt_now = halt_now or f"{event.kind}: {event.message}"
+                            elif self.cfg.monitors.halt_on_event:
+                                halt_path.touch()
+                    if halt_now is None and halt_path.exists():
+                        halt_now = f"{HALT_FILE} file found in {self.run_dir}"
+                if self._stop_signal:
+                    halt_now = halt_now or f"{self._stop_signal} received"
+                stop = self._any_rank(halt_now is not None)
+                done = step + 1
+                periodic = cfg.save_every > 0 and done % cfg.save_every == 0
+                if self.save_checkpoints and (stop or periodic or done == cfg.steps):
+                    self.save_checkpoint(done)
+                if stop:
+                    status, halt_reason = "halted", halt_now or "another rank halted"
+                    log.warning("run halted after step %d (checkpoint written): %s", step, halt_reason)
+                    step = done
+                    break
+                step = done
+        finally:
+            heartbeat.stop()
+            restore_signals()
+            if progress:
+                progress.close()
+            if self.telemetry is not None:
+                self.telemetry.close()
+        return TrainResult(status=status, steps_done=step, halt_reason=halt_reason, records=records,
+                           events=list(self.events), run_dir=self.run_dir)
+
+    def request_stop(self, reason: str) -> None:
+        """Stop after the current step, as SIGTERM does (used by time budgets)."""
+        self._stop_signal = reason
+
+    def _on_heartbeat_stall(self, event: Event) -> None:
+        if self.dist.is_main:
+            self._record_event(event)
+            if self.cfg.monitors.halt_on_event:
+                (self.run_dir / HALT_FILE).touch()
+
+    def close(self) -> None:
+        if self.dist.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _dict_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _dict_diff(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
+        return out
+    return [] if a == b else [prefix]

@@ -1,0 +1,91 @@
+"""Run configs: every shipped YAML parses; unknown or bad keys are errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sentinels.config import ConfigError, RunConfig, from_dict, load_config
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+TINY = CONFIG_DIR / "tiny-cpu.yaml"
+
+
+def test_shipped_configs_exist():
+    names = {p.stem for p in CONFIGS}
+    assert {"tiny-cpu", "gpu-smoke", "prod-125m"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.model.debug.leak == "none" and cfg.model.debug.gate_override == "none"
+
+
+def test_prod_config_is_about_125m_parameters():
+    summary = load_config(CONFIG_DIR / "prod-125m.yaml").summary()
+    assert 100e6 <= summary["parameters"] <= 160e6, summary["parameters"]
+    assert summary["precision"] == "bf16" and summary["tokenizer"] == "gpt2"
+    assert summary["seq_len"] % summary["sel_block"] == 0
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.stpes"):
+        load_config(_write(tmp_path, "train:\n  stpes: 10\n"))
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) modle"):
+        load_config(_write(tmp_path, "modle: {}\n"))
+    with pytest.raises(ConfigError, match=r"model\.debug\.lek"):
+        load_config(_write(tmp_path, "model:\n  debug:\n    lek: none\n"))
+
+
+@pytest.mark.parametrize("text, key", [
+    ("train:\n  lr: fast\n", r"train\.lr: must be a number"),
+    ("train:\n  steps: 10.5\n", r"train\.steps: must be an integer"),
+    ("train:\n  steps: true\n", r"train\.steps: must be an integer"),
+    ("train:\n  precision: fp16\n", r"train\.precision: must be one of"),
+    ("train:\n  steps: 10\n  warmup_steps: 20\n", r"train\.warmup_steps"),
+    ("train:\n  save_every: -1\n", r"train\.save_every"),
+    ("data:\n  source: jsonl\n", r"data\.paths"),
+    ("data:\n  paths: notalist\n", r"data\.paths: must be a list"),
+    ("model:\n  attention: flash\n", r"model\.attention"),
+    ("model:\n  tie_embeddings: 1\n", r"model\.tie_embeddings: must be true or false"),
+    ("model:\n  nsa:\n    cmp_block: 24\n    cmp_stride: 16\n", r"model\.nsa: .*cmp_stride"),
+    ("model:\n  nsa:\n    window_size: 4\n", r"model\.nsa: NSAConfig has no field"),
+    ("monitors:\n  gate_collapse:\n    low: 0.9\n    high: 0.5\n", r"monitors\.gate_collapse"),
+    ("train: 5\n", r"train: must be a mapping"),
+])
+def test_bad_values_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(_write(tmp_path, text))
+
+
+def test_overrides_and_replace():
+    cfg = load_config(TINY, ["train.steps=7", "model.debug.leak=kv_next_token"])
+    assert cfg.train.steps == 7 and cfg.model.debug.leak == "kv_next_token"
+    again = cfg.replace(**{"train.steps": 9})
+    assert again.train.steps == 9 and cfg.train.steps == 7
+    with pytest.raises(ConfigError, match=r"train\.nope"):
+        cfg.replace(**{"train.nope": 1})
+
+
+def test_hash_is_stable_and_sensitive():
+    a = from_dict({"train": {"steps": 10}})
+    b = from_dict({"train": {"steps": 10}})
+    c = from_dict({"train": {"steps": 11}})
+    assert a.config_hash() == b.config_hash() != c.config_hash()
+
+
+def test_summary_has_the_preflight_fields():
+    summary = load_config(TINY).summary()
+    for key in ("precision", "save_every", "steps", "out_dir", "parameters", "tokenizer", "seq_len", "sel_block",
+                "config_hash"):
+        assert key in summary
