@@ -30,9 +30,9 @@ def long_cfg(tiny, tmp_path):
                            "train.out_dir": str(tmp_path / "run")})
 
 
-def check(cfg, *, gpu=True, resume=False, params=BIG, tokenizer=None, cwd=None):
+def check(cfg, *, gpu=True, resume=False, params=BIG, tokenizer=None, module=None, cwd=None):
     return check_config(cfg, gpu_visible=gpu, resume=resume, cwd=cwd, tokenizer_check=lambda name: tokenizer,
-                        parameter_count=lambda c: params)
+                        module_check=lambda name: module, parameter_count=lambda c: params)
 
 
 def rules(verdict) -> list[str]:
@@ -153,6 +153,13 @@ def test_missing_data_file_is_refused(long_cfg, tmp_path):
     cfg = long_cfg.replace(**{"data.source": "text", "data.paths": [str(tmp_path / "nope.txt")]})
     verdict = check(cfg)
     assert rules(verdict) == ["data"] and "data.paths[0]" in verdict.findings[0].message
+
+
+def test_fineweb_needs_the_datasets_package(long_cfg):
+    cfg = long_cfg.replace(**{"data.source": "fineweb", "data.tokenizer": "gpt2"})
+    assert check(cfg).ok
+    verdict = check(cfg, module="the Python package 'datasets' is not installed")
+    assert rules(verdict) == ["data"] and "streams through `datasets`" in verdict.findings[0].message
 
 
 @pytest.mark.parametrize("seq_len,ok", [(64, True), (128, True), (60, False), (12, False)])

@@ -6,6 +6,7 @@ relative paths resolve, how the tokenizer and the parameter count are obtained),
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,6 +45,11 @@ def tokenizer_problem(name: str) -> str | None:
     return None
 
 
+def module_problem(name: str) -> str | None:
+    """None when the module `name` can be imported (found without importing it), else why not."""
+    return None if importlib.util.find_spec(name) is not None else f"the Python package {name!r} is not installed"
+
+
 def count_parameters(cfg: RunConfig) -> int:
     from ..model import count_parameters_for
 
@@ -56,6 +62,7 @@ def is_long_run(cfg: RunConfig) -> bool:
 
 def check_config(cfg: RunConfig, *, gpu_visible: bool, resume: bool, cwd: Path | None = None,
                  tokenizer_check: Callable[[str], str | None] = tokenizer_problem,
+                 module_check: Callable[[str], str | None] = module_problem,
                  parameter_count: Callable[[RunConfig], int] = count_parameters) -> ConfigVerdict:
     """Every rule that refuses `cfg` for a launch; relative paths resolve against `cwd` (default: the current
     directory, as the trainer resolves train.out_dir)."""
@@ -113,6 +120,10 @@ def check_config(cfg: RunConfig, *, gpu_visible: bool, resume: bool, cwd: Path |
             path = Path(name) if Path(name).is_absolute() else cwd / name
             if not path.is_file():
                 out.append(Finding("data", f"data.paths[{i}] {name} is not a file"))
+    if cfg.data.source == "fineweb":
+        problem = module_check("datasets")
+        if problem is not None:
+            out.append(Finding("data", f"data.source 'fineweb' streams through `datasets`: {problem}"))
 
     sel_block = cfg.model.nsa_config().sel_block
     if t.seq_len % sel_block != 0:
