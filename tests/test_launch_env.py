@@ -99,3 +99,17 @@ def test_env_command_exit_code_follows_the_verdict(monkeypatch, capsys):
     monkeypatch.setattr(cli, "collect_env_facts", lambda: with_(gpus=(GpuFacts(0, "Tesla V100", (7, 0)),)))
     assert cli.main(["env"]) == 1
     assert "compute capability 7.0" in capsys.readouterr().out
+
+
+def test_python_m_sentinels_env_is_the_guard():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sentinels.launch.env import collect_env_facts
+
+    expected = 0 if check_env(collect_env_facts()).ok else 1
+    done = subprocess.run([sys.executable, "-m", "sentinels", "env"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == expected, done.stderr
+    assert done.stdout.startswith("python  ") and ("env: SUPPORTED" in done.stdout) == (expected == 0)
