@@ -146,7 +146,9 @@ def test_go_record_missing_a_gate_is_inconsistent(cfg, tmp_path):
     assert "inconsistent" in go_check(cfg, path).reason
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", json.dumps({"decision": "GO"})])
+@pytest.mark.parametrize("content", ["{not json", "[]", json.dumps({"decision": "GO"}),
+                                     json.dumps({"decision": "GO", "gates": "x", "config_hash": "h", "code": {},
+                                                 "finished_unix": 0, "schema": 1})])
 def test_unreadable_record_refuses(cfg, tmp_path, content):
     path = record_path(cfg.config_hash(), tmp_path)
     path.write_text(content)

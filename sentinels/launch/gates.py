@@ -110,8 +110,9 @@ def run_gate_command(gate: GateCommand, log_path: Path, *, cwd: Path = REPO_ROOT
     log_path.parent.mkdir(parents=True, exist_ok=True)
     tail: list[str] = []
     try:
-        with log_path.open("w") as log_file, subprocess.Popen(gate.argv, cwd=cwd, stdout=subprocess.PIPE,
-                                                              stderr=subprocess.STDOUT, text=True) as proc:
+        with log_path.open("w") as log_file, subprocess.Popen(
+                gate.argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:  # lines as they come, not at exit
             assert proc.stdout is not None
             for line in proc.stdout:
                 echo(line)

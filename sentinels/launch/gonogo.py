@@ -123,25 +123,26 @@ def check_go_record(path: Path, *, config_hash: str, code: CodeIdentity, now_uni
         record = json.loads(path.read_text())
         decision, gates = record["decision"], record["gates"]
         rec_hash, rec_code, finished = record["config_hash"], record["code"], float(record["finished_unix"])
+        verdicts = {g["name"]: g["verdict"] for g in gates}
+        rec_commit, rec_digest = rec_code.get("commit"), rec_code.get("source_digest")
         if record.get("schema") != policy.RECORD_SCHEMA:
             return refuse(f"{path} has schema {record.get('schema')!r}, this code reads {policy.RECORD_SCHEMA}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return refuse(f"{path} is not a readable GO record ({type(exc).__name__}: {exc})")
     if decision != GO:
-        return refuse(f"{path} is {decision}: " + "; ".join(record.get("reasons", [])), record)
-    verdicts = {g.get("name"): g.get("verdict") for g in gates}
+        return refuse(f"{path} is {decision}: " + "; ".join(map(str, record.get("reasons", []))), record)
     not_passed = [name for name in REQUIRED_GATES if verdicts.get(name) != PASS]
     if not_passed:
         return refuse(f"{path} says GO but gates {not_passed} did not pass: the record is inconsistent", record)
     if rec_hash != config_hash:
         return refuse(f"{path} is for config hash {rec_hash}, the config to launch has {config_hash}", record)
-    if code.commit is not None and rec_code.get("commit") != code.commit:
-        return refuse(f"{path} was made at commit {rec_code.get('commit')}, this checkout is at {code.commit}: "
+    if code.commit is not None and rec_commit != code.commit:
+        return refuse(f"{path} was made at commit {rec_commit}, this checkout is at {code.commit}: "
                       f"re-run the preflight for this commit", record)
-    if code.commit is None and not rec_code.get("commit"):
+    if code.commit is None and not rec_commit:
         return refuse(f"{path} names no commit and this tree has no git commit either", record)
-    if rec_code.get("source_digest") != code.source_digest:
-        return refuse(f"{path} was made for other source files (digest {rec_code.get('source_digest')}, this "
+    if rec_digest != code.source_digest:
+        return refuse(f"{path} was made for other source files (digest {rec_digest}, this "
                       f"tree {code.source_digest}): re-run the preflight", record)
     age = now_unix - finished
     if age < -policy.GO_RECORD_MAX_CLOCK_SKEW_S:
@@ -150,7 +151,7 @@ def check_go_record(path: Path, *, config_hash: str, code: CodeIdentity, now_uni
     if age > max_age_s:
         return refuse(f"{path} is stale: {age / 3600:.1f} h old, a GO record is valid for "
                       f"{max_age_s / 3600:.1f} h; re-run the preflight", record)
-    return GoCheck(True, f"GO record {path} ({age / 3600:.1f} h old, commit {rec_code.get('commit')})", path, record)
+    return GoCheck(True, f"GO record {path} ({age / 3600:.1f} h old, commit {rec_commit})", path, record)
 
 
 @dataclass(frozen=True)
