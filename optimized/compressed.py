@@ -37,7 +37,7 @@ class CompressedKeyPlan:
 def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, positions: Tensor, *,
                               chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
     """Compressed branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ]:
-    (o_cmp [B, TQ, Hq, dv], reads [B, TQ, Hkv] = visible compressed blocks counted from the mask applied)."""
+    (o_cmp [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = visible compressed blocks counted from the mask applied)."""
     B, TQ, Hq, _ = q.shape
     n_blocks = k_cmp.shape[1]
     if chunk_size is None:
@@ -52,5 +52,5 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig
     A query with no visible compressed block gets exactly 0."""
     check_branch_inputs("compressed_attention", q, k_cmp, v_cmp, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    return compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size)[0]
+    return compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size)[0].to(q.dtype)
 

@@ -25,17 +25,17 @@ def block_windows(x: Tensor, cfg: NSAConfig) -> Tensor:
 
 
 def phi_avg(blocks: Tensor) -> Tensor:
-    """phi = mean pooling over the l rows of each block: [..., l, D] -> [..., D]."""
-    return blocks.to(compute_dtype(blocks.dtype)).mean(dim=-2).to(blocks.dtype)
+    """phi = mean pooling over the l rows of each block: [..., l, D] -> [..., D] (compute dtype)."""
+    return blocks.to(compute_dtype(blocks.dtype)).mean(dim=-2)
 
 
 def phi_mlp(blocks: Tensor, w: PhiMLPWeights) -> Tensor:
     """phi = w2^T silu(w1^T flatten(block + pos) + b1) + b2 for every block at once (Eq. 7): [..., l, D] -> [..., D].
-    The flatten is row-major over (l, D), as in contract.PhiMLPWeights."""
+    The flatten is row-major over (l, D), as in contract.PhiMLPWeights. Result in the compute dtype."""
     cd = compute_dtype(blocks.dtype)
     x = (blocks.to(cd) + w.pos.to(cd)).flatten(-2)
     hidden = F.silu(x @ w.w1.to(cd) + w.b1.to(cd))
-    return (hidden @ w.w2.to(cd) + w.b2.to(cd)).to(blocks.dtype)
+    return hidden @ w.w2.to(cd) + w.b2.to(cd)
 
 
 def _check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None:
@@ -54,7 +54,13 @@ def _check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None
 
 def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> tuple[Tensor, Tensor]:
     """Eq. 7 for every complete block: k [B, T, Hkv, d_k], v [B, T, Hkv, d_v] ->
-    (k_cmp [B, N, Hkv, d_k], v_cmp [B, N, Hkv, d_v]) with N = number of complete blocks in T."""
+    (k_cmp [B, N, Hkv, d_k], v_cmp [B, N, Hkv, d_v]) with N = number of complete blocks in T, in k's dtype."""
+    k_cmp, v_cmp = compress_unrounded(k, v, cfg, phi)
+    return k_cmp.to(k.dtype), v_cmp.to(v.dtype)
+
+
+def compress_unrounded(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> tuple[Tensor, Tensor]:
+    """compress, left in the compute dtype (float32 for half/bfloat16 inputs) for nsa_forward's attention."""
     if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"compress needs k [B,T,Hkv,dk] and v [B,T,Hkv,dv] with equal [B,T,Hkv]; "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")

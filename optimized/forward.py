@@ -10,7 +10,7 @@ from reference.config import NSAConfig
 from reference.contract import BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
 
 from .compressed import compressed_attention_rows
-from .compression import compress
+from .compression import compress_unrounded
 from .scoring import selection_indices
 from .selected import check_indices, selected_attention_rows
 from .window import window_attention_rows
@@ -28,21 +28,26 @@ def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi
     TK keys of every branch in kv. indices: given selection indices [B, TQ, Hkv, n] replace Eq. 8-11
     (teacher forcing); by default they are computed by scoring.selection_indices."""
     n_keys = kv.win.k.shape[1]
-    k_cmp, v_cmp = compress(kv.cmp.k, kv.cmp.v, cfg, phi)
+    k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v, cfg, phi)
     o_cmp, reads_cmp = compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size)
     if indices is None:
-        indices = selection_indices(q, k_cmp, cfg, positions=positions, n_keys=n_keys, chunk_size=chunk_size)
+        # scored on the compressed keys rounded as compress() returns them, so nsa_forward selects exactly what
+        # select_blocks(selection_scores(q, compress(k, v)[0])) selects
+        indices = selection_indices(q, k_cmp.to(q.dtype), cfg, positions=positions, n_keys=n_keys,
+                                    chunk_size=chunk_size)
     else:
         check_indices(indices, q, cfg)
     o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions,
                                                backend=backend, chunk_size=chunk_size)
     o_win, reads_win = window_attention_rows(q, kv.win.k, kv.win.v, cfg, positions, chunk_size=chunk_size)
+    # the branches and Eq. 5 stay in the compute dtype; outputs are rounded to q's dtype once, here
+    o = gated_sum(gates.to(o_cmp.dtype), o_cmp, o_slc, o_win)
     return NSAOutput(
-        o=gated_sum(gates, o_cmp, o_slc, o_win),
+        o=o.to(q.dtype),
         indices=indices,
-        o_cmp=o_cmp,
-        o_slc=o_slc,
-        o_win=o_win,
+        o_cmp=o_cmp.to(q.dtype),
+        o_slc=o_slc.to(q.dtype),
+        o_win=o_win.to(q.dtype),
         reads=Reads(cmp=reads_cmp, slc=reads_slc, win=reads_win),
     )
 

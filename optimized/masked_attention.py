@@ -4,7 +4,8 @@ Function shared by the compressed, selected (torch backend) and window branches.
 Memory: only one query chunk's logits exist at a time, in forward and in backward (the backward recomputes them
 from the saved log-sum-exp, like FlashAttention), so no branch ever holds a T x T (or T x N) tensor and autograd
 keeps only q, k, v, o and the log-sum-exp. A query with no valid key gets exactly 0 and zero gradients (no NaN).
-Arithmetic runs in float32 for half/bfloat16/float32 inputs and in float64 for float64 inputs.
+Arithmetic runs in float32 for half/bfloat16/float32 inputs and in float64 for float64 inputs, and the output
+stays in that compute dtype (callers round once, at the end, so gradients also flow back in it).
 
 A key plan says which keys each query chunk reads:
 - `SharedKeys`: a contiguous key range [start, stop) read by the whole chunk, valid [C, K] per query and key;
@@ -66,7 +67,7 @@ class KeyPlan(Protocol):
 
 def masked_attention(plan: KeyPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Eq. 2 for every query of q [B, TQ, Hq, dk] over the keys the plan gives it, k [B, TK, Hkv, dk],
-    v [B, TK, Hkv, dv]. Returns (o [B, TQ, Hq, dv] in q's dtype, reads int64 [B, TQ, Hkv]) where reads counts
+    v [B, TK, Hkv, dv]. Returns (o [B, TQ, Hq, dv] in the compute dtype, reads int64 [B, TQ, Hkv]) where reads counts
     the valid keys each (query, KV head) was given."""
     return _MaskedAttention.apply(plan, q, k, v)
 
@@ -143,7 +144,7 @@ class _MaskedAttention(torch.autograd.Function):
         G = Hq // H
         cd = compute_dtype(q.dtype)
         inv_sqrt = 1.0 / math.sqrt(dk)
-        o = q.new_zeros((B, TQ, Hq, dv))
+        o = torch.zeros((B, TQ, Hq, dv), dtype=cd, device=q.device)
         lse = torch.full((B, TQ, H, G, 1), float("-inf"), dtype=cd, device=q.device)
         reads = torch.zeros((B, TQ, H), dtype=torch.int64, device=q.device)
         for q0, q1 in plan.chunks():
@@ -155,16 +156,16 @@ class _MaskedAttention(torch.autograd.Function):
             qc = q[:, q0:q1].reshape(B, C, H, G, dk).to(cd)
             e, total, lse_c = _probabilities(_logits(qc, chunk.keys, chunk.shared) * inv_sqrt, chunk.mask)
             oc = _weighted_values(e, chunk.values, chunk.shared) / torch.where(total > 0, total, torch.ones_like(total))
-            o[:, q0:q1] = oc.reshape(B, C, Hq, dv).to(o.dtype)
+            o[:, q0:q1] = oc.reshape(B, C, Hq, dv)
             lse[:, q0:q1] = lse_c
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, lse)
         ctx.mark_non_differentiable(reads)
         return o, reads
 
     @staticmethod
     def backward(ctx, do: Tensor, _dreads: Tensor):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, lse = ctx.saved_tensors
         plan = ctx.plan
         B, TQ, Hq, dk = q.shape
         H, dv = k.shape[2], v.shape[3]
@@ -182,13 +183,15 @@ class _MaskedAttention(torch.autograd.Function):
                 continue
             qc = q[:, q0:q1].reshape(B, C, H, G, dk).to(cd)
             doc = do[:, q0:q1].reshape(B, C, H, G, dv).to(cd)
-            oc = o[:, q0:q1].reshape(B, C, H, G, dv).to(cd)
             lse_c = lse[:, q0:q1]
             lse_c = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
             logits = (_logits(qc, chunk.keys, chunk.shared) * inv_sqrt).masked_fill(~chunk.mask, float("-inf"))
             p = torch.exp(logits - lse_c)  # Eq. 2 probabilities; 0 where masked
             dp = _logits(doc, chunk.values, chunk.shared)
-            delta = (doc * oc).sum(dim=-1, keepdim=True)
+            # delta = dO . o, summed from the recomputed probabilities rather than the output rounded to q's
+            # dtype, so that every softmax row's gradient sums to 0 as it does exactly (no bias in dk of
+            # shift-invariant inputs such as phi's b2)
+            delta = (p * dp).sum(dim=-1, keepdim=True)
             ds = p * (dp - delta) * inv_sqrt
             if need_q:
                 dq[:, q0:q1] = _weighted_values(ds, chunk.keys, chunk.shared).reshape(B, C, Hq, dk)

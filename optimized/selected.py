@@ -20,7 +20,7 @@ from reference.config import NSAConfig
 
 from . import masks
 from .checks import check_branch_inputs
-from .masked_attention import GatheredKeys, auto_chunk_size, masked_attention, query_chunks
+from .masked_attention import GatheredKeys, auto_chunk_size, compute_dtype, masked_attention, query_chunks
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -53,12 +53,14 @@ class SelectedKeyPlan:
         return GatheredKeys(torch.where(valid, tokens, torch.zeros_like(tokens)), valid)
 
 
-def _use_triton(backend: str, q: Tensor, positions: Tensor, n_keys: int) -> bool:
+def _use_triton(backend: str, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> bool:
+    """Whether the selected branch runs on the Triton kernel; "auto" falls back to torch where the kernel cannot
+    run (no CUDA, no triton, float64, queries that are not the last TQ keys, sizes past the kernel's limits)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
-    TQ = positions.shape[0]
+    TQ, n_keys = positions.shape[0], k.shape[1]
     is_suffix = TQ > 0 and int(positions[0]) == n_keys - TQ and int(positions[-1]) == n_keys - 1
     if backend == "triton":
         if not is_suffix:
@@ -70,21 +72,22 @@ def _use_triton(backend: str, q: Tensor, positions: Tensor, n_keys: int) -> bool
     if not (q.is_cuda and is_suffix):
         return False
     try:
-        import optimized.kernels as kernels
+        from optimized.kernels import selected_attention as kernel
     except ImportError:
         return False
-    return hasattr(kernels, "triton_selected_attention")
+    group, head_dim = q.shape[2] // k.shape[2], max(q.shape[3], v.shape[3])
+    return q.dtype in kernel.FLOAT_DTYPES and group <= kernel.MAX_GROUP and head_dim <= kernel.MAX_HEAD_DIM
 
 
 def selected_attention_rows(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig, positions: Tensor,
                             *, backend: str = "auto", chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
     """Selected branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ] over keys k [B, TK, Hkv, dk]:
-    (o_slc [B, TQ, Hq, dv], reads [B, TQ, Hkv] = valid tokens of the gathered blocks)."""
+    (o_slc [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = valid tokens of the gathered blocks)."""
     B, TQ, Hq, _ = q.shape
-    if _use_triton(backend, q, positions, k.shape[1]):
+    if _use_triton(backend, q, k, v, positions):
         from optimized.kernels import triton_selected_attention
 
-        o = triton_selected_attention(q, k, v, indices, cfg.sel_block)
+        o = triton_selected_attention(q, k, v, indices, cfg.sel_block).to(compute_dtype(q.dtype))
         with torch.no_grad():
             reads = selected_tokens(indices, positions, cfg)[1].sum(dim=-1)
         return o, reads
@@ -101,7 +104,8 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NS
     check_branch_inputs("selected_attention", q, k, v, cfg)
     check_indices(indices, q, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    return selected_attention_rows(q, k, v, indices, cfg, positions, backend=backend, chunk_size=chunk_size)[0]
+    o, _ = selected_attention_rows(q, k, v, indices, cfg, positions, backend=backend, chunk_size=chunk_size)
+    return o.to(q.dtype)
 
 
 def check_indices(indices: Tensor, q: Tensor, cfg: NSAConfig) -> None:

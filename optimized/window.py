@@ -37,7 +37,7 @@ class WindowKeyPlan:
 def window_attention_rows(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Tensor, *,
                           chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
     """Window branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ] over keys k [B, TK, Hkv, dk]:
-    (o_win [B, TQ, Hq, dv], reads [B, TQ, Hkv] = window keys counted from the mask applied)."""
+    (o_win [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = window keys counted from the mask applied)."""
     B, TQ, Hq, _ = q.shape
     if chunk_size is None:
         chunk_size = auto_chunk_size(TQ, B * Hq * 2 * cfg.window_size)
@@ -49,4 +49,4 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, chunk_s
     """Sliding-window branch for prefill queries 0..T-1: o_win [B, T, Hq, d_v]."""
     check_branch_inputs("window_attention", q, k, v, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    return window_attention_rows(q, k, v, cfg, positions, chunk_size=chunk_size)[0]
+    return window_attention_rows(q, k, v, cfg, positions, chunk_size=chunk_size)[0].to(q.dtype)

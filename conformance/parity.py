@@ -1,0 +1,178 @@
+"""Helpers of the optimized-vs-reference parity suites (CPU: test_parity_optimized.py, GPU: test_parity_gpu.py).
+
+The oracle is the loop reference in float64 unless a test says otherwise. Nothing here calls the optimized
+stage functions to build an expected value: the reference side is composed from `reference` only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+import reference
+from reference.config import NSAConfig
+from reference.forward import gated_sum
+from reference.selection import forced_blocks
+
+from .helpers import Inputs
+
+LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def tensor_names(inp: Inputs) -> list[str]:
+    """Names of inp.tensors() in order: q, gates, each distinct branch k/v, then phi weights."""
+    names = ["q", "gates"]
+    seen = [inp.q, inp.gates]
+    for branch in ("cmp", "slc", "win"):
+        kv = inp.kv.branch(branch)
+        for part, t in (("k", kv.k), ("v", kv.v)):
+            if all(t is not s for s in seen):
+                names.append(f"{part}_{branch}")
+                seen.append(t)
+    if inp.phi is not None:
+        for which, w in (("k", inp.phi.k), ("v", inp.phi.v)):
+            names += [f"phi_{which}.{f}" for f in ("pos", "w1", "b1", "w2", "b2")]
+    return names
+
+
+def cotangent(shape: tuple[int, ...], seed: int = 1234) -> Tensor:
+    """A fixed random output weighting R, so that loss = sum(o * R) has generic gradients."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def grads_of(o: Tensor, inp: Inputs, weight: Tensor) -> dict[str, Tensor]:
+    """d sum(o * weight) / d every input tensor (zeros for an input the output does not depend on)."""
+    tensors = inp.tensors()
+    got = torch.autograd.grad((o * weight.to(o.dtype)).sum(), tensors, allow_unused=True)
+    return {name: (g if g is not None else torch.zeros_like(t))
+            for name, t, g in zip(tensor_names(inp), tensors, got)}
+
+
+def reference_teacher_forced(inp: Inputs, cfg: NSAConfig, indices: Tensor) -> dict[str, Tensor]:
+    """The reference NSA with the selection replaced by `indices`, composed from the reference stage functions
+    (this is the reference's _forward_rows with Eq. 8-11 skipped)."""
+    k_cmp, v_cmp = reference.compress(inp.kv.cmp.k, inp.kv.cmp.v, cfg, inp.phi)
+    o_cmp = reference.compressed_attention(inp.q, k_cmp, v_cmp, cfg)
+    o_slc = reference.selected_attention(inp.q, inp.kv.slc.k, inp.kv.slc.v, indices, cfg)
+    o_win = reference.window_attention(inp.q, inp.kv.win.k, inp.kv.win.v, cfg)
+    return {"o": gated_sum(inp.gates, o_cmp, o_slc, o_win), "o_cmp": o_cmp, "o_slc": o_slc, "o_win": o_win,
+            "k_cmp": k_cmp, "v_cmp": v_cmp}
+
+
+# Tie-aware selection comparison ------------------------------------------------------------------------------
+@dataclass
+class SelectionMismatch:
+    row: tuple[int, int, int]  # (b, p, g)
+    reason: str
+
+
+def score_tolerance(scores64: Tensor, scores_low: Tensor | None, rel_slack: float = 1e-12) -> Tensor:
+    """Per-row tolerance [B, T, Hkv] for comparing free selections: 2 x the reference's own score error in the
+    low precision (0 in float64) + rel_slack x the row's largest |score| (float64 rounding)."""
+    finite = torch.isfinite(scores64)
+    scale = torch.where(finite, scores64.abs(), torch.zeros_like(scores64)).amax(dim=-1)
+    tol = rel_slack * scale
+    if scores_low is not None:
+        err = torch.where(finite, (scores_low.to(torch.float64) - scores64).abs(), torch.zeros_like(scores64))
+        tol = tol + 2 * err.amax(dim=-1)
+    return tol
+
+
+def selection_mismatches(got: Tensor, ref: Tensor, scores64: Tensor, tol: Tensor, cfg: NSAConfig,
+                         positions: Tensor | None = None) -> list[SelectionMismatch]:
+    """Rows where `got` is not an acceptable Eq. 11 selection given the reference's `ref` and float64 scores:
+    got must be ascending, -1 padded, hold every forced block and as many blocks as ref; a free block it picks
+    instead of one ref picks must score within tol of it."""
+    B, T, H, _ = got.shape
+    if positions is None:
+        positions = torch.arange(T)
+    out = []
+    differs = (got.cpu() != ref.cpu()).any(dim=-1)
+    for b, t, g in torch.nonzero(differs).tolist():
+        p = int(positions[t])
+        J = p // cfg.sel_block
+        row = [int(x) for x in got[b, t, g]]
+        want = [int(x) for x in ref[b, t, g]]
+        chosen = [x for x in row if x >= 0]
+        expected = [x for x in want if x >= 0]
+        s = scores64[b, t, g]
+        tag = (b, t, g)
+        if row != chosen + [-1] * (len(row) - len(chosen)) or chosen != sorted(set(chosen)):
+            out.append(SelectionMismatch(tag, f"not ascending/unique/-1 padded: {row}"))
+            continue
+        if len(chosen) != len(expected) or any(x > J for x in chosen):
+            out.append(SelectionMismatch(tag, f"{row} vs reference {want} (J={J})"))
+            continue
+        missing = set(forced_blocks(J, cfg)) - set(chosen)
+        if missing:
+            out.append(SelectionMismatch(tag, f"forced blocks {sorted(missing)} missing from {row}"))
+            continue
+        extra, dropped = set(chosen) - set(expected), set(expected) - set(chosen)
+        gap = max(abs(float(s[a]) - float(s[d])) for a in extra for d in dropped)
+        if not gap <= float(tol[b, t, g]):
+            out.append(SelectionMismatch(tag, f"{row} vs reference {want}: float64 scores differ by {gap:.3e} "
+                                              f"> tolerance {float(tol[b, t, g]):.3e}"))
+    return out
+
+
+# Hypothesis strategies ---------------------------------------------------------------------------------------
+@st.composite
+def small_configs(draw, max_heads: int = 4) -> NSAConfig:
+    """Every NSAConfig switch with tiny dims (the loop reference must stay fast)."""
+    d = draw(st.integers(1, 4))
+    l = d * draw(st.integers(1, 3))
+    lp = d * draw(st.integers(l // d, l // d + 3))
+    n_init = draw(st.integers(0, 2))
+    n_local = draw(st.integers(0, 2))
+    n_sel = draw(st.integers(max(1, n_init + n_local), n_init + n_local + 3))
+    n_kv = draw(st.integers(1, 2))
+    group = draw(st.integers(1, max(1, max_heads // n_kv)))
+    return NSAConfig(
+        cmp_block=l, cmp_stride=d, sel_block=lp, n_sel=n_sel, n_init=n_init, n_local=n_local,
+        window=draw(st.integers(1, 12)), n_heads=n_kv * group, n_kv_heads=n_kv,
+        head_dim_qk=draw(st.integers(2, 6)), head_dim_v=draw(st.integers(1, 5)),
+        phi=draw(st.sampled_from(["avg", "mlp"])),
+        window_keys=draw(st.sampled_from(["w", "w+1"])),
+        cmp_visibility=draw(st.sampled_from(["inclusive", "strict"])),
+        selection_score=draw(st.sampled_from(["probs", "logits"])),
+        group_reduce=draw(st.sampled_from(["sum", "mean"])),
+    )
+
+
+def sequence_lengths(cfg: NSAConfig, max_T: int) -> st.SearchStrategy[int]:
+    """T from 1 to max_T, biased to the block boundaries: T < l, T = l - 1, l, multiples of l' and d, +-1."""
+    l, d, lp, n = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_sel
+    edges = {l - 1, l, l + 1, lp - 1, lp, lp + 1, n * lp - 1, n * lp, n * lp + 1, (n + 1) * lp + 1,
+             2 * lp, 3 * lp - 1, 5 * d + l - 1, cfg.window_size, cfg.window_size + 1, max_T}
+    edges = sorted(t for t in edges if 1 <= t <= max_T)
+    return st.one_of(st.sampled_from(edges), st.integers(1, max_T))
+
+
+def ulp_budget(dtype: torch.dtype) -> float:
+    return {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7,
+            torch.float16: 2.0 ** -10}[dtype]
+
+
+def finite_max_abs(x: Tensor) -> float:
+    x = x.detach().to(torch.float64).cpu()
+    x = x[torch.isfinite(x)]
+    return x.abs().max().item() if x.numel() else 0.0
+
+
+def nan_free(x: Tensor) -> bool:
+    return not bool(torch.isnan(x).any())
+
+
+def rel(x: float, scale: float) -> float:
+    return x / scale if scale > 0 else x
+
+
+__all__ = [
+    "LOW_PRECISION", "tensor_names", "cotangent", "grads_of", "reference_teacher_forced", "score_tolerance",
+    "selection_mismatches", "small_configs", "sequence_lengths", "ulp_budget", "finite_max_abs", "nan_free",
+    "rel", "math",
+]
