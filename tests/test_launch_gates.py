@@ -183,3 +183,13 @@ def test_given_commit_must_agree_with_git():
     assert code_identity(REPO, given_commit=head.commit[:12]).commit == head.commit
     with pytest.raises(ValueError, match="disagrees"):
         code_identity(REPO, given_commit="0" * 40)
+
+
+def test_default_gate_commands_call_the_nox_sessions_with_the_config():
+    from sentinels.launch.gates import default_gate_commands
+
+    conf, sent = default_gate_commands("configs/prod-125m.yaml", ["train.lr=0.001"], "h1")
+    assert conf.name == "conformance-gpu" and conf.argv == [sys.executable, "-m", "nox", "-s", "conformance-gpu"]
+    assert sent.name == "sentinels-gpu" and sent.argv == [sys.executable, "-m", "nox", "-s", "sentinels-gpu", "--",
+                                                          "--config", "configs/prod-125m.yaml", "-o", "train.lr=0.001"]
+    assert REPO / "reports" / "conformance" in conf.report_dirs and REPO / "reports" / "sentinels" in sent.report_dirs
