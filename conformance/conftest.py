@@ -8,6 +8,8 @@ error-ratio checks run in), --preset (the NSAConfig conventions checked), --repo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -36,6 +38,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--properties-only", action="store_true", default=False,
                     help="run only the property modules (those declaring PROPERTY), not the self-test or the "
                          "optimized-specific parity/kernel tests that ignore --impl")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """--properties-only: do not even import test modules that are not properties (the self-test, the
+    optimized-specific parity and kernel tests), so their import errors cannot break a verdict run."""
+    if not config.getoption("--properties-only"):
+        return None
+    if collection_path.name == "selftest" and collection_path.is_dir():
+        return True
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        declares = any(line.startswith("PROPERTY = ") for line in collection_path.read_text().splitlines())
+        return None if declares else True
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -48,6 +48,20 @@ class Inputs:
         return Inputs(conv(self.q), kv, conv(self.gates), phi)
 
 
+def select_rows(x: Inputs, batch: slice = slice(None), time: slice = slice(None)) -> Inputs:
+    """x restricted to some batch rows and sequence positions (views); a k/v shared by branches stays shared,
+    phi weights are kept whole."""
+    memo: dict[int, Tensor] = {}
+
+    def part(t: Tensor) -> Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = t[batch, time]
+        return memo[id(t)]
+
+    kv = BranchKV(*(KV(part(b.k), part(b.v)) for b in (x.kv.cmp, x.kv.slc, x.kv.win)))
+    return Inputs(part(x.q), kv, part(x.gates), x.phi)
+
+
 def make_inputs(cfg: NSAConfig, T: int, *, B: int = 1, seed: int = 0, dtype: torch.dtype = torch.float64,
                 device: torch.device | str = "cpu", shared_kv: bool = False, scale: float = 1.0,
                 phi_hidden: int = 8) -> Inputs:

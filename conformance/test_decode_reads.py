@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance.adapters import not_covered
-from conformance.helpers import make_inputs
+from conformance.helpers import make_inputs, select_rows
 from conformance.rules import selected_keys, visible_cmp_blocks, window_keys
 from conformance.strategies import configs, lengths, show_reproducer
 from reference.config import NSAConfig
@@ -144,8 +144,8 @@ def test_cached_decode_equals_prefill(impl, preset, device, record_metric, data)
     decoder = cache(cfg, 2, T, dtype=torch.float64, device=device, phi=x.phi)
 
     def part(a: int, b: int):
-        kv = BranchKV(*(type(br)(br.k[:, a:b], br.v[:, a:b]) for br in (x.kv.cmp, x.kv.slc, x.kv.win)))
-        return x.q[:, a:b], kv, x.gates[:, a:b]
+        y = select_rows(x, time=slice(a, b))
+        return y.q, y.kv, y.gates
 
     calls = [("prefill", 0, P)]
     for c in chunks:

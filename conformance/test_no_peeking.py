@@ -16,10 +16,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.helpers import Inputs, first_difference, make_inputs, named_tensors, perturb_from
+from conformance.helpers import Inputs, first_difference, make_inputs, named_tensors, perturb_from, select_rows
 from conformance.rules import complete_cmp_blocks, current_sel_block, visible_cmp_blocks
 from conformance.strategies import boundaries, configs, lengths, show_reproducer
-from reference.contract import KV, BranchKV
+from reference.contract import BranchKV
 
 PROPERTY = "No peeking"
 EQUATION = "Eq. 1, 7, 12, window"
@@ -252,8 +252,8 @@ def test_cached_decode_chunk(impl, preset, device, data):
     def run(x: Inputs):
         decoder = impl.NSADecodeCache(cfg, B, T, dtype=torch.float64, device=device, phi=x.phi)
         for a, b, how in ((0, P, "prefill"), (P, T, "extend")):
-            kv = BranchKV(*(KV(br.k[:, a:b], br.v[:, a:b]) for br in (x.kv.cmp, x.kv.slc, x.kv.win)))
-            out = getattr(decoder, how)(x.q[:, a:b], kv, x.gates[:, a:b])
+            y = select_rows(x, time=slice(a, b))
+            out = getattr(decoder, how)(y.q, y.kv, y.gates)
         return out
 
     x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)

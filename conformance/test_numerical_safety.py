@@ -76,18 +76,17 @@ def test_compressed_attention_without_blocks(impl, preset, device):
         assert bool((dq == 0).all()), "gradient of q through an empty compressed set must be 0"
 
 
-def large_logit_inputs(cfg, T: int, seed: int, sign: float, device) -> Inputs:
+def large_logit_inputs(cfg, T: int, seed: int, sign: float, device, shared_kv: bool = False) -> Inputs:
     """q = a u_g + noise and every branch's k = sign * a u_g + noise per KV group g (u_g a unit vector), with
     a^2 / sqrt(d_k) = 1e5: every logit is about sign * 1e5 (compressed keys too: they pool such keys)."""
-    x = make_inputs(cfg, T, seed=seed, device=device)
+    x = make_inputs(cfg, T, seed=seed, device=device, shared_kv=shared_kv)
     g = torch.Generator().manual_seed(seed + 7)
     u = torch.nn.functional.normalize(torch.randn(cfg.n_kv_heads, cfg.head_dim_qk, generator=g, dtype=torch.float64),
                                       dim=-1).to(device)
     a = math.sqrt(LARGE_LOGIT * math.sqrt(cfg.head_dim_qk))
     with torch.no_grad():
         x.q.copy_(a * u.repeat_interleave(cfg.group_size, 0) + 0.1 * x.q)
-        for branch in ("cmp", "slc", "win"):
-            k = x.kv.branch(branch).k
+        for k in {id(x.kv.branch(b).k): x.kv.branch(b).k for b in ("cmp", "slc", "win")}.values():
             k.copy_(sign * a * u + 0.1 * k)
     return x
 
@@ -102,10 +101,10 @@ def test_large_magnitude_logits(impl, preset, device, record_metric, data):
     cfg = cfg.replace(n_sel=max(cfg.n_sel, -(-T // cfg.sel_block)))  # selection = every block: no near-ties
     sign = data.draw(st.sampled_from([-1.0, 1.0]), label="sign")
     seed = data.draw(st.integers(0, 2**20), label="seed")
-    show_reproducer(impl.spec, cfg, f"x = large_logit_inputs(cfg, {T}, {seed}, {sign}, 'cpu')  "
+    show_reproducer(impl.spec, cfg, f"x = large_logit_inputs(cfg, {T}, {seed}, {sign}, 'cpu', {impl.shared_kv})  "
                     "# conformance/test_numerical_safety.py\nout = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
                     T=T, seed=seed)
-    x = large_logit_inputs(cfg, T, seed, sign, device)
+    x = large_logit_inputs(cfg, T, seed, sign, device, impl.shared_kv)
     out, grads = forward_and_grads(impl, x, cfg, seed)
     assert_finite(out, grads, f"logits ~ {sign * LARGE_LOGIT:g}")
     xc = x.to(device="cpu")

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance.adapters import load_impl
-from conformance.helpers import error_ratio, first_difference, make_inputs
+from conformance.helpers import error_ratio, first_difference, make_inputs, select_rows
 from conformance.rules import current_sel_block, expected_selection, token_overlap, visible_cmp_blocks
 from conformance.strategies import configs, lengths, show_reproducer
 
@@ -169,8 +169,8 @@ def test_batch_composition_does_not_change_a_row(impl, preset, device, record_me
                     T=T, B=3, seed=seed, shared_kv=impl.shared_kv)
     x = tie_heavy_inputs(cfg, T, 3, seed, device, impl.shared_kv)
     batch = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)
-    row = type(x.kv)(*(type(kv)(kv.k[:1], kv.v[:1]) for kv in (x.kv.cmp, x.kv.slc, x.kv.win)))
-    alone = impl.nsa_forward(x.q[:1], row, x.gates[:1], cfg, x.phi)
+    row = select_rows(x, batch=slice(0, 1))
+    alone = impl.nsa_forward(row.q, row.kv, row.gates, cfg, row.phi)
     diff = first_difference(alone.indices, batch.indices[:1])
     assert not diff, f"row 0 indices computed alone differ from row 0 in a batch of 3: {diff}"
     assert_same_up_to_rounding("row 0 output alone vs in a batch of 3", alone.o, batch.o[:1], record_metric)
