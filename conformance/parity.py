@@ -6,7 +6,6 @@ stage functions to build an expected value: the reference side is composed from 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from reference.config import NSAConfig
 from reference.forward import gated_sum
 from reference.selection import forced_blocks
 
-from .helpers import Inputs
+from .helpers import Inputs, error_ratio, make_inputs
 
 LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -152,27 +151,58 @@ def sequence_lengths(cfg: NSAConfig, max_T: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(1, max_T))
 
 
-def ulp_budget(dtype: torch.dtype) -> float:
-    return {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7,
-            torch.float16: 2.0 ** -10}[dtype]
 
 
-def finite_max_abs(x: Tensor) -> float:
-    x = x.detach().to(torch.float64).cpu()
-    x = x[torch.isfinite(x)]
-    return x.abs().max().item() if x.numel() else 0.0
+# One low-precision example, shared by the CPU and GPU suites ------------------------------------------------------
+@dataclass
+class LowPrecisionResult:
+    ratios: dict[str, float]  # error ratios (helpers.error_ratio) of outputs and gradients; <= 1 passes
+    score_ratio: float  # error ratio of selection_scores (finite entries)
+    neg_inf_pattern_equal: bool  # selection_scores is -inf exactly where the reference's is
+    selection: list[SelectionMismatch]  # free selection rows outside the tie tolerance
 
 
-def nan_free(x: Tensor) -> bool:
-    return not bool(torch.isnan(x).any())
+def low_precision_example(cfg: NSAConfig, T: int, dtype: torch.dtype, *, seed: int, B: int = 1,
+                          device: str | torch.device = "cpu", backend: str = "torch") -> LowPrecisionResult:
+    """The optimized path (inputs on `device`, selected-branch `backend`) vs the loop reference on CPU.
 
+    All runs share the inputs: low-precision tensors, which the float64 oracle gets as exact float64 values.
+    Outputs and gradients are teacher-forced on the oracle's selection; the free selection of the optimized path
+    in this dtype is checked tie-aware against the oracle's float64 scores."""
+    import optimized
 
-def rel(x: float, scale: float) -> float:
-    return x / scale if scale > 0 else x
+    base = make_inputs(cfg, T, B=B, seed=seed, phi_hidden=3, dtype=dtype).to(dtype=torch.float64)
+    oracle_in = base.to(requires_grad=True)
+    oracle = reference.nsa_forward(oracle_in.q, oracle_in.kv, oracle_in.gates, cfg, oracle_in.phi)
+    weight = cotangent(tuple(oracle.o.shape)).to(dtype).to(torch.float64)
+    oracle_grads = grads_of(oracle.o, oracle_in, weight)
+    with torch.no_grad():
+        scores64 = reference.selection_scores(base.q, reference.compress(base.kv.cmp.k, base.kv.cmp.v, cfg,
+                                                                         base.phi)[0], cfg)
 
+    low_in = base.to(dtype=dtype, requires_grad=True)
+    low = reference_teacher_forced(low_in, cfg, oracle.indices)
+    low_grads = grads_of(low["o"], low_in, weight)
 
-__all__ = [
-    "LOW_PRECISION", "tensor_names", "cotangent", "grads_of", "reference_teacher_forced", "score_tolerance",
-    "selection_mismatches", "small_configs", "sequence_lengths", "ulp_budget", "finite_max_abs", "nan_free",
-    "rel", "math",
-]
+    opt_in = base.to(dtype=dtype, device=device, requires_grad=True)
+    opt = optimized.nsa_forward(opt_in.q, opt_in.kv, opt_in.gates, cfg, opt_in.phi, backend=backend,
+                                indices=oracle.indices.to(device))
+    opt_grads = grads_of(opt.o, opt_in, weight.to(device))
+
+    ratios = {name: error_ratio(getattr(opt, name), low[name], getattr(oracle, name))
+              for name in ("o", "o_cmp", "o_slc", "o_win")}
+    ratios.update({f"d{name}": error_ratio(g, low_grads[name], oracle_grads[name]) for name, g in opt_grads.items()})
+
+    with torch.no_grad():
+        scores_low_ref = reference.selection_scores(low_in.q, low["k_cmp"], cfg)
+        k_cmp = optimized.compress(opt_in.kv.cmp.k, opt_in.kv.cmp.v, cfg, opt_in.phi)[0]
+        scores = optimized.selection_scores(opt_in.q, k_cmp, cfg).cpu()
+        indices = optimized.selection_indices(opt_in.q, k_cmp, cfg).cpu()
+    finite = torch.isfinite(scores64)
+    return LowPrecisionResult(
+        ratios=ratios,
+        score_ratio=error_ratio(scores[finite], scores_low_ref[finite], scores64[finite]),
+        neg_inf_pattern_equal=bool(torch.equal(torch.isneginf(scores), ~finite)),
+        selection=selection_mismatches(indices, oracle.indices, scores64, score_tolerance(scores64, scores_low_ref),
+                                       cfg),
+    )

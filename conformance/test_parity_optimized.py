@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import optimized as O
 import reference as R
 from conformance.helpers import error_ratio, make_inputs, max_abs_error
-from conformance.parity import (LOW_PRECISION, cotangent, grads_of, reference_teacher_forced, score_tolerance,
+from conformance.parity import (LOW_PRECISION, cotangent, grads_of, low_precision_example, score_tolerance,
                                 selection_mismatches, sequence_lengths, small_configs)
 from optimized import masks
 
@@ -111,45 +111,13 @@ def test_low_precision_parity(data):
     cfg = data.draw(small_configs(), label="cfg")
     T = data.draw(sequence_lengths(cfg, 80), label="T")
     dtype = data.draw(st.sampled_from(LOW_PRECISION), label="dtype")
-    base = make_inputs(cfg, T, seed=T + 7, phi_hidden=3, dtype=dtype).to(dtype=torch.float64)  # exact values
-
-    oracle_in = base.to(requires_grad=True)
-    oracle = R.nsa_forward(oracle_in.q, oracle_in.kv, oracle_in.gates, cfg, oracle_in.phi)
-    weight = cotangent(tuple(oracle.o.shape)).to(dtype).to(torch.float64)
-    oracle_grads = grads_of(oracle.o, oracle_in, weight)
-    with torch.no_grad():
-        k_cmp64, _ = R.compress(base.kv.cmp.k, base.kv.cmp.v, cfg, base.phi)
-        scores64 = R.selection_scores(base.q, k_cmp64, cfg)
-
-    low_in = base.to(dtype=dtype, requires_grad=True)
-    low = reference_teacher_forced(low_in, cfg, oracle.indices)
-    low_grads = grads_of(low["o"], low_in, weight)
-
-    opt_in = base.to(dtype=dtype, requires_grad=True)
-    opt = O.nsa_forward(opt_in.q, opt_in.kv, opt_in.gates, cfg, opt_in.phi, backend="torch",
-                        indices=oracle.indices)
-    opt_grads = grads_of(opt.o, opt_in, weight)
-
-    ratios = {name: error_ratio(getattr(opt, name), low[name], getattr(oracle, name))
-              for name in ("o", "o_cmp", "o_slc", "o_win")}
-    ratios.update({f"d{name}": error_ratio(g, low_grads[name], oracle_grads[name]) for name, g in opt_grads.items()})
-    note(f"error ratios: {ratios}")
-    worst = max(ratios, key=ratios.get)
-    assert ratios[worst] <= 1.0, f"{dtype}: {worst} error ratio {ratios[worst]:.3f} > 1 ({ratios})"
-
-    # Scores and the free selection in this dtype.
-    with torch.no_grad():
-        scores_low_ref = R.selection_scores(low_in.q.detach(), low["k_cmp"].detach(), cfg)
-        k_cmp_low = O.compress(opt_in.kv.cmp.k, opt_in.kv.cmp.v, cfg, opt_in.phi)[0]
-        scores_low = O.selection_scores(opt_in.q.detach(), k_cmp_low, cfg)
-        finite = torch.isfinite(scores64)
-        assert torch.equal(torch.isneginf(scores_low), ~finite)
-        ratio = error_ratio(scores_low[finite], scores_low_ref[finite], scores64[finite])
-        assert ratio <= 1.0, f"{dtype}: selection_scores error ratio {ratio:.3f}"
-        indices_low = O.selection_indices(opt_in.q.detach(), k_cmp_low, cfg)
-    tol = score_tolerance(scores64, scores_low_ref)
-    bad = selection_mismatches(indices_low, oracle.indices, scores64, tol, cfg)
-    assert not bad, bad[:5]
+    result = low_precision_example(cfg, T, dtype, seed=T + 7)
+    note(f"error ratios: {result.ratios}")
+    worst = max(result.ratios, key=result.ratios.get)
+    assert result.ratios[worst] <= 1.0, f"{dtype}: {worst} error ratio {result.ratios[worst]:.3f} > 1"
+    assert result.neg_inf_pattern_equal, "selection_scores: -inf exactly for the blocks after J"
+    assert result.score_ratio <= 1.0, f"{dtype}: selection_scores error ratio {result.score_ratio:.3f}"
+    assert not result.selection, result.selection[:5]
 
 
 @pytest.mark.parametrize("preset", ["paper", "strict_cmp_visibility", "logit_scores", "window_w_plus_1"])
