@@ -41,7 +41,7 @@ PROFILES = {
         run_config=CONFIG_DIR / "tiny-cpu.yaml",
         device="cpu",
         precision="fp32",
-        random_label={"train.steps": 150, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 3e-3,
+        random_label={"train.steps": 150, "train.micro_batch_size": 8, "train.seq_len": 32, "train.lr": 3e-3,
                       "train.warmup_steps": 10, "data.synthetic.vocab_size": 64},
         long_range={"train.steps": 100, "train.micro_batch_size": 16, "train.seq_len": 64, "train.lr": 1e-2,
                     "train.warmup_steps": 10, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},

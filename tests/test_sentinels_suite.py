@@ -1,0 +1,128 @@
+"""The sentinel suite at CI size: verdicts on the clean model, and planted faults that must trip them.
+
+The full CPU profile (every sentinel and the whole self-test) is the slow test at the end; CI runs a shortened
+random-label sentinel, the label-shift sentinel and the real-text/planted-fault paths on a few steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sentinels.config import load_config
+from sentinels.profiles import PROFILES
+from sentinels.suite import (FAIL, PASS, WARN, SentinelRunner, misaligned_batch, overall_verdict, plant_nan_at)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    sentences = ["The river flows past the old mill and into the valley.",
+                 "Students of history read the letters of the merchants.",
+                 "A quiet wind moved through the tall grass near the station."]
+    path.write_text("\n".join(json.dumps({"text": " ".join(sentences[(i + j) % 3] for j in range(6))})
+                              for i in range(30)) + "\n")
+    return path
+
+
+def _runner(tmp_path, corpus=None, **profile_changes):
+    profile = dataclasses.replace(PROFILES["cpu"], **profile_changes)
+    cfg = load_config(TINY)
+    return SentinelRunner(profile, run_config=cfg, probe_config=cfg, work_dir=tmp_path / "work", corpus=corpus,
+                          budget_s=600, log=lambda msg: None)
+
+
+CI_RANDOM_LABEL = {"train.steps": 60, "train.micro_batch_size": 8, "train.seq_len": 32, "train.lr": 3e-3,
+                   "train.warmup_steps": 5, "data.synthetic.vocab_size": 64}
+
+
+def test_label_shift_passes_clean_and_trips_on_misaligned_labels(tmp_path, corpus):
+    runner = _runner(tmp_path, corpus)
+    clean = runner.label_shift()
+    assert clean.verdict == PASS and clean.metrics["batches_checked"] == 3 * 8
+    planted = runner.label_shift(make_batch=misaligned_batch, planted="labels == inputs")
+    assert planted.verdict == FAIL and "label misalignment" in planted.summary
+
+
+def test_random_label_clean_passes_and_next_token_leak_trips(tmp_path):
+    runner = _runner(tmp_path, random_label=CI_RANDOM_LABEL, eval_batches=4)
+    clean = runner.random_label()
+    assert clean.verdict == PASS, clean.summary
+    assert abs(clean.metrics["eval_loss"] - math.log(64)) <= 0.1
+    leak = runner.random_label(leak="kv_next_token")
+    assert leak.verdict == FAIL, leak.summary
+    assert leak.metrics["gap"] < -0.1
+
+
+def test_random_label_trips_on_an_early_compressed_block(tmp_path):
+    """The subtler leak (one future token mixed into a compressed block) needs the CPU profile's 150 steps."""
+    runner = _runner(tmp_path, random_label=PROFILES["cpu"].random_label, eval_batches=4)
+    leak = runner.random_label(leak="cmp_block_early")
+    assert leak.verdict == FAIL and leak.metrics["gap"] < -0.1, leak.summary
+
+
+def test_real_text_verdicts_and_planted_faults(tmp_path, corpus):
+    runner = _runner(tmp_path, corpus, real_text={"train.steps": 12, "train.micro_batch_size": 2,
+                                                  "train.seq_len": 32, "train.warmup_steps": 2},
+                     random_label=CI_RANDOM_LABEL)
+    floor, gate, watchdog = runner.real_text()
+    assert (floor.name, gate.name, watchdog.name) == ("loss_floor", "gate_collapse", "watchdog")
+    assert floor.verdict == PASS and gate.verdict == PASS and watchdog.verdict in (PASS, WARN)
+    assert floor.metrics["data_quality"]["ok"] > 0
+
+    _, nan_watchdog_gate, nan_watchdog = runner.real_text(steps=8, synthetic=True, step_hook=plant_nan_at(4))
+    assert nan_watchdog.verdict == FAIL and "non-finite" in nan_watchdog.summary
+
+    short = dataclasses.replace(runner.run_config, monitors=dataclasses.replace(
+        runner.run_config.monitors, gate_collapse=dataclasses.replace(runner.run_config.monitors.gate_collapse,
+                                                                      steps=5)))
+    runner.probe_config = short
+    _, saturated, _ = runner.real_text(gate_override="saturated", steps=8, synthetic=True)
+    assert saturated.verdict == FAIL and "consecutive steps" in saturated.summary
+
+
+def test_overall_verdict_rules():
+    from sentinels.suite import SKIP, SentinelResult
+
+    ok = SentinelResult("a", PASS, "", "")
+    warn = SentinelResult("a", WARN, "", "")
+    bad = SentinelResult("a", FAIL, "", "")
+    tripped = SentinelResult("a", FAIL, "", "", planted="x")
+    missed = SentinelResult("a", PASS, "", "", planted="x")
+    skipped = SentinelResult("a", SKIP, "", "")
+    assert overall_verdict([ok, warn], [tripped]) == PASS
+    assert overall_verdict([ok, bad], [tripped]) == FAIL
+    assert overall_verdict([ok], [missed]) == FAIL  # a planted fault that does not trip fails the suite
+    assert overall_verdict([ok, skipped], [tripped]) == "INCOMPLETE"
+
+
+@pytest.mark.slow
+def test_cpu_profile_end_to_end(tmp_path):
+    """The whole CPU profile (about 2 minutes on 2 idle cores): every sentinel PASS, every planted fault trips."""
+    proc = subprocess.run([sys.executable, "-m", "sentinels", "run", "--profile", "cpu", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "cpu-cpu.json").read_text())
+    assert report["verdict"] == PASS
+    assert {s["name"] for s in report["sentinels"]} == {"label_shift", "random_label", "long_range", "loss_floor",
+                                                        "gate_collapse", "watchdog"}
+    assert all(p["tripped"] for p in report["planted"]) and len(report["planted"]) >= 6
+    assert all((tmp_path / s["plot"]).exists() for s in report["sentinels"] if s["plot"])

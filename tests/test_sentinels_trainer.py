@@ -1,0 +1,245 @@
+"""Trainer: exact resume, atomic checkpoints, clean stops (.HALT, SIGTERM), SIGUSR1 stacks, telemetry, loss-floor
+dump, DDP on CPU through torchrun (gloo)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sentinels.config import load_config
+from sentinels.trainer import Trainer, TrainerError, lr_at
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    lines = []
+    for i in range(40):
+        text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(20 + i % 13))
+        lines.append(json.dumps({"text": f"Doc {i}: {text}."}))
+    lines.insert(5, "{malformed")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _cfg(out_dir, *overrides):
+    return load_config(TINY, [f"train.out_dir={out_dir}", "train.seq_len=32", "train.micro_batch_size=2",
+                              "train.steps=8", "train.warmup_steps=2", *overrides])
+
+
+def _text_cfg(out_dir, corpus, *overrides):
+    return _cfg(out_dir, "data.source=jsonl", f"data.paths=[{corpus}]", *overrides)
+
+
+def _train(cfg, **kwargs):
+    trainer = Trainer(cfg, console=False, **kwargs)
+    try:
+        return trainer, trainer.train()
+    finally:
+        trainer.close()
+
+
+def _stop_after(step):
+    def hook(trainer, at):
+        if at == step:
+            trainer.request_stop("test interruption")
+    return hook
+
+
+def test_resume_continues_bit_for_bit(tmp_path, corpus):
+    overrides = ("train.grad_accum=2", "train.save_every=3")
+    _, full = _train(_text_cfg(tmp_path / "a", corpus, *overrides))
+    assert full.status == "completed" and full.steps_done == 8
+    _, first = _train(_text_cfg(tmp_path / "b", corpus, *overrides), step_hook=_stop_after(4))
+    assert first.status == "halted" and first.steps_done == 5
+    _, second = _train(_text_cfg(tmp_path / "b", corpus, *overrides), resume=True)
+    assert second.status == "completed" and [r["step"] for r in second.records] == [5, 6, 7]
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in second.records] == [r[key] for r in full.records[5:]], key
+    # the interrupted-then-resumed telemetry is one history, identical to the uninterrupted one
+    rows_a = list(csv.DictReader((tmp_path / "a" / "metrics.csv").open()))
+    rows_b = list(csv.DictReader((tmp_path / "b" / "metrics.csv").open()))
+    assert [r["loss"] for r in rows_a] == [r["loss"] for r in rows_b]
+    assert len((tmp_path / "b" / "heartbeat.jsonl").read_text().splitlines()) == 8
+
+
+def test_resume_after_a_crash_past_the_checkpoint_drops_the_orphan_rows(tmp_path):
+    _, full = _train(_cfg(tmp_path / "a", "train.save_every=4"))
+    _, first = _train(_cfg(tmp_path / "b", "train.save_every=4"), step_hook=_stop_after(5))
+    assert first.steps_done == 6  # stop writes a checkpoint at 6; simulate a crash after step 4's checkpoint:
+    ckpts = tmp_path / "b" / "checkpoints"
+    (ckpts / "latest.json").write_text(json.dumps({"file": "step_00000004.pt", "step": 4}))
+    _, second = _train(_cfg(tmp_path / "b", "train.save_every=4"), resume=True)
+    assert [r["loss"] for r in second.records] == [r["loss"] for r in full.records[4:]]
+    steps = [json.loads(l)["step"] for l in (tmp_path / "b" / "heartbeat.jsonl").read_text().splitlines()]
+    assert steps == list(range(8))
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    _train(_cfg(tmp_path, "train.save_every=2", "train.keep_checkpoints=2"))
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest.json", "step_00000006.pt", "step_00000008.pt"]
+    assert json.loads((ckpts / "latest.json").read_text())["step"] == 8
+    assert not list(ckpts.glob("*.tmp"))
+    state = torch.load(ckpts / "step_00000008.pt", weights_only=False)
+    assert {"model", "optimizer", "scheduler", "rng", "data", "step", "config_hash"} <= set(state)
+    assert set(state["rng"][0]) >= {"python", "numpy", "torch"}
+    assert state["data"][0]["primary"]["counter"] == 8
+
+
+def test_refuses_to_overwrite_or_resume_nothing(tmp_path):
+    _train(_cfg(tmp_path / "a"))
+    with pytest.raises(TrainerError, match="already holds checkpoints"):
+        Trainer(_cfg(tmp_path / "a"), console=False)
+    with pytest.raises(TrainerError, match="no checkpoint"):
+        Trainer(_cfg(tmp_path / "empty"), resume=True, console=False)
+    with pytest.raises(TrainerError, match=r"different config; differing keys: \['train.lr'\]"):
+        Trainer(_cfg(tmp_path / "a", "train.lr=0.001"), resume=True, console=False)
+
+
+def test_halt_file_stops_after_a_checkpoint(tmp_path):
+    def plant_halt(trainer, step):
+        if step == 2:
+            (tmp_path / ".HALT").touch()
+
+    _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=plant_halt)
+    assert result.status == "halted" and result.steps_done == 3 and ".HALT" in result.halt_reason
+    assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 3
+
+
+def test_sigterm_stops_after_a_checkpoint(tmp_path):
+    def send_sigterm(trainer, step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=send_sigterm)
+    assert result.status == "halted" and result.steps_done == 2 and "SIGTERM" in result.halt_reason
+    assert (tmp_path / "checkpoints" / "step_00000002.pt").exists()
+    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is restored
+
+
+def test_telemetry_and_metadata(tmp_path, corpus):
+    _, result = _train(_text_cfg(tmp_path, corpus, "train.steps=4"))
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        for branch in ("cmp", "slc", "win"):
+            assert 0.0 <= float(row[f"gate_mean_{branch}"]) <= float(row[f"gate_max_{branch}"]) <= 1.0
+        assert int(row["reads_total"]) == sum(int(row[f"reads_{b}"]) for b in ("cmp", "slc", "win")) > 0
+        assert float(row["sel_distinct_blocks"]) >= 1
+        assert float(row["tokens_per_s"]) > 0 and float(row["dt_fetch_s"]) >= 0 and float(row["dt_step_s"]) > 0
+        assert int(row["tokens"]) == 2 * 32
+        assert row["mem_allocated_mib"] == ""  # CPU: no CUDA memory to report
+        assert float(row["lr"]) == pytest.approx(lr_at(int(row["step"]), result_cfg := _text_cfg(tmp_path, corpus,
+                                                                                               "train.steps=4")))
+    beat = [json.loads(l) for l in (tmp_path / "heartbeat.jsonl").read_text().splitlines()]
+    assert len(beat) == 4 and len(beat[0]["gate_mean_per_layer"]) == 2
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    assert meta["config_hash"] == result_cfg.config_hash()
+    assert meta["tokenizer"]["name"] == "byte" and len(meta["tokenizer"]["fingerprint"]) == 64
+    assert "commit" in meta["git"] and meta["versions"]["torch"] == torch.__version__
+    assert meta["precision"] == {"configured": "fp32", "effective": "fp32"}
+    assert meta["data"]["source"] == "jsonl"
+    assert meta["attention_class"] == "optimized.module.NSAAttention"
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = load_config(TINY, ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"])
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+
+
+def test_loss_floor_halts_and_dumps_the_last_batches(tmp_path, corpus):
+    # A floor above any real loss makes the monitor trip at the first step: the halt and dump path in isolation.
+    _, result = _train(_text_cfg(tmp_path, corpus, "monitors.loss_floor.threshold=100.0",
+                                 "monitors.loss_floor.dump_batches=2", "train.grad_accum=2"))
+    assert result.status == "halted" and result.steps_done == 1 and "loss_floor" in result.halt_reason
+    dump = torch.load(tmp_path / "loss_floor_dump.pt", weights_only=False)
+    assert [(d["step"], d["micro"]) for d in dump] == [(0, 0), (0, 1)]
+    texts = [json.loads(l)["text"] for l in (tmp_path / "loss_floor_dump.jsonl").read_text().splitlines()]
+    assert len(texts) == 4 and any("Doc" in t or "alpha" in t or "beta" in t for t in texts)
+    events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events[0]["kind"] == "loss_floor" and events[0]["halt"]
+
+
+def test_loss_floor_is_off_for_synthetic_tasks(tmp_path):
+    _, result = _train(_cfg(tmp_path, "monitors.loss_floor.threshold=100.0", "train.steps=2"))
+    assert result.status == "completed" and not [e for e in result.events if e.kind == "loss_floor"]
+
+
+def _run_cli(args, **kwargs):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_cli_train_sigusr1_dumps_stacks_and_sigterm_stops_cleanly(tmp_path):
+    out = tmp_path / "run"
+    proc = _run_cli(["-m", "sentinels", "train", "--config", str(TINY), "-o", f"train.out_dir={out}",
+                     "-o", "train.steps=100000", "-o", "train.save_every=0", "-o", "train.warmup_steps=1"])
+    try:
+        deadline = time.monotonic() + 60
+        beat = out / "heartbeat.jsonl"
+        while time.monotonic() < deadline and not (beat.exists() and len(beat.read_text().splitlines()) >= 2):
+            time.sleep(0.1)
+        assert beat.exists(), "the trainer did not start"
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Current thread" in stderr or "Thread 0x" in stderr, stderr[-2000:]
+    assert "heartbeat-watchdog" in stderr or "monitors.py" in stderr  # every thread's stack
+    assert proc.returncode == 3, stderr[-2000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["status"] == "halted" and "SIGTERM" in summary["halt_reason"]
+    assert (out / "checkpoints" / "latest.json").exists()
+
+
+def test_cli_config_error_names_the_key(tmp_path):
+    proc = _run_cli(["-m", "sentinels", "train", "--config", str(TINY), "-o", "train.stepz=3"])
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "train.stepz" in stderr
+
+
+def test_ddp_two_ranks_on_cpu_shard_the_data(tmp_path, corpus):
+    out = tmp_path / "ddp"
+    proc = _run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sentinels",
+                     "train", "--config", str(TINY), "-o", f"train.out_dir={out}", "-o", "data.source=jsonl",
+                     "-o", f"data.paths=[{corpus}]", "-o", "train.steps=3", "-o", "train.warmup_steps=1",
+                     "-o", "train.seq_len=32", "-o", "train.micro_batch_size=2"])
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    state = torch.load(out / "checkpoints" / "step_00000003.pt", weights_only=False)
+    assert len(state["data"]) == 2
+    assert state["data"][0]["primary"] != state["data"][1]["primary"]  # each rank read its own shard
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["world_size"] == 2 and meta["data"]["shard"] == [0, 2]
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["tokens"]) for r in rows] == [2 * 2 * 32] * 3  # tokens of both ranks
