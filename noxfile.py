@@ -137,3 +137,28 @@ def lint(session: nox.Session) -> None:
     Syntax errors, undefined names, unused imports and variables, bad comparisons. Posargs go to `ruff check`."""
     session.install(RUFF)
     session.run("ruff", "check", *session.posargs, ".")
+
+
+# ------------------------------------------------------------------------------------------ sentinels (issue 5)
+@nox.session
+def sentinels(session: nox.Session) -> None:
+    """Sentinel suite, CPU profile (about 2 min on 2 cores): label shift, random label vs ln V, long-range recall
+    (full NSA vs locals-only), loss floor / gate collapse / watchdog on real text, and the planted-fault self-test
+    (leaks, misaligned labels, saturated gates, NaN, slow data) that must trip them. Prints the verdict table,
+    writes reports/sentinels/cpu-cpu.json and one PNG per sentinel; exit 1 unless PASS. Posargs go to
+    `python -m sentinels run`, e.g. `-- --config configs/X.yaml` or `-- --out /tmp/rep` (docs/sentinels.md)."""
+    install_cpu(session, "dev,triton,data,plots")
+    session.run("python", "-m", "sentinels", "run", "--profile", "cpu", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(name="sentinels-gpu", venv_backend="none")
+def sentinels_gpu(session: nox.Session) -> None:
+    """Sentinel suite, GPU profile (< 10 min on one H100) in the current interpreter, nothing installed; fails fast
+    without a GPU. The learned sentinels use the probe model of configs/gpu-smoke.yaml; the real-text sentinels
+    use `--config` (default configs/prod-125m.yaml). Writes reports/sentinels/gpu-<gpu>.json (or under
+    $OUT/reports/sentinels when OUT is set); exit 1 unless PASS. Posargs go to `python -m sentinels run`."""
+    import sys
+
+    require_gpu(session)
+    session.run(sys.executable, "-m", "sentinels", "run", "--profile", "gpu", *session.posargs, external=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from . import thresholds
-from .config import RunConfig, load_config
+from .config import RunConfig
 from .data.batch import Batch, LabelShiftError, check_next_token_alignment
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec

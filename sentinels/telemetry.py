@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 import sys
 import threading
 import time
@@ -112,6 +111,3 @@ class ProgressBar:
             self.stream.write("\n")
             self.stream.flush()
 
-
-def finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
