@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import reference
+from reference.branches import selected_attention_rows, window_attention_rows
+from reference.compression import compressed_attention_rows
 from reference.config import NSAConfig
 from reference.forward import gated_sum
 from reference.selection import forced_blocks
@@ -51,13 +53,16 @@ def grads_of(o: Tensor, inp: Inputs, weight: Tensor) -> dict[str, Tensor]:
             for name, t, g in zip(tensor_names(inp), tensors, got)}
 
 
-def reference_teacher_forced(inp: Inputs, cfg: NSAConfig, indices: Tensor) -> dict[str, Tensor]:
-    """The reference NSA with the selection replaced by `indices`, composed from the reference stage functions
-    (this is the reference's _forward_rows with Eq. 8-11 skipped)."""
+def reference_teacher_forced(inp: Inputs, cfg: NSAConfig, indices: Tensor,
+                             positions: Tensor | None = None) -> dict[str, Tensor]:
+    """The reference NSA with the selection replaced by `indices`, composed from the reference's row functions
+    (its _forward_rows with Eq. 8-11 skipped). positions: absolute positions of the rows of inp.q / inp.gates /
+    indices (default 0..T-1, prefill) over all keys of inp.kv."""
+    pos = list(range(inp.q.shape[1])) if positions is None else [int(p) for p in positions]
     k_cmp, v_cmp = reference.compress(inp.kv.cmp.k, inp.kv.cmp.v, cfg, inp.phi)
-    o_cmp = reference.compressed_attention(inp.q, k_cmp, v_cmp, cfg)
-    o_slc = reference.selected_attention(inp.q, inp.kv.slc.k, inp.kv.slc.v, indices, cfg)
-    o_win = reference.window_attention(inp.q, inp.kv.win.k, inp.kv.win.v, cfg)
+    o_cmp = compressed_attention_rows(inp.q, k_cmp, v_cmp, cfg, pos)[0]
+    o_slc = selected_attention_rows(inp.q, inp.kv.slc.k, inp.kv.slc.v, indices, cfg, pos)[0]
+    o_win = window_attention_rows(inp.q, inp.kv.win.k, inp.kv.win.v, cfg, pos)[0]
     return {"o": gated_sum(inp.gates, o_cmp, o_slc, o_win), "o_cmp": o_cmp, "o_slc": o_slc, "o_win": o_win,
             "k_cmp": k_cmp, "v_cmp": v_cmp}
 
