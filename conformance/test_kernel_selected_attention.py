@@ -20,7 +20,7 @@ from optimized.kernels import selected_attention_naive, triton_selected_attentio
 from optimized.kernels import selected_attention_bwd as bwd_module
 from optimized.kernels.selected_attention_fwd import logsumexp, selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
-from optimized.kernels.tiling import Tiling, launch_with_fallback
+from optimized.kernels.tiling import DkdvTiling, Tiling, launch_with_fallback, smaller_dkdv_tilings
 from reference.branches import selected_attention_rows
 from reference.config import NSAConfig
 
@@ -150,8 +150,14 @@ def test_backward_matches_naive_autograd(name: str, poisoned_empty: None) -> Non
         assert error_ratio(got, low, exact) <= 1.0, label
 
 
-def test_backward_split_blocks_match_whole_blocks(poisoned_empty: None) -> None:
-    """Blocks cut over several dk/dv programs (workspace slots + ordered reduction) give the same gradients."""
+@pytest.mark.parametrize("queries_per_item, launch", [
+    (3, None),  # items of 3 queries: split blocks, workspace slots + ordered reduction
+    (3, DkdvTiling(block_n=16, block_cols=16, num_warps=4, num_stages=1)),  # 4 queries per step: partial steps
+    (None, DkdvTiling(block_n=16, block_cols=16, num_warps=4, num_stages=1)),  # whole blocks, many steps each
+])
+def test_backward_split_blocks_match_whole_blocks(queries_per_item, launch, poisoned_empty: None) -> None:
+    """Blocks cut over several dk/dv programs (workspace slots + ordered reduction), and query steps of a few
+    (query, head) columns, give the same gradients."""
     case = CASES["group3-dk12-dv8"]
     q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=2)
     idx = perturbed_indices(case, seed=4).to(DEVICE)
@@ -159,12 +165,71 @@ def test_backward_split_blocks_match_whole_blocks(poisoned_empty: None) -> None:
     o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
     do = torch.randn_like(o)
     split = bwd_module.selected_attention_backward(q, k, v, idx, o, stats, do, case.sel_block, scale,
-                                                   queries_per_item=3)
+                                                   dkdv_launch=launch, queries_per_item=queries_per_item)
     leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
     exact = torch.autograd.grad(selected_attention_naive(*leaves, idx, case.sel_block), leaves, do.double())
     for label, got, ref in zip(("dq", "dk", "dv"), split, exact):
         assert torch.isfinite(got).all(), label
         assert rel_error(got, ref) < 1e-5, label
+
+
+@pytest.mark.parametrize("name", ["group1", "group16"])
+def test_backward_gradients_do_not_inherit_the_rounding_of_o(name: str) -> None:
+    """D = sum_s P_s dP_s (softmax backward of Eq. 12). FlashAttention's shortcut D = rowsum(dO * O) inherits
+    O's rounding (on the GPU O is stored in bf16, and the forward feeds P to P V in bf16), which leaves
+    sum_s dS_s != 0 and a systematic dq error D_err * sum_s P_s k_s. Fed an fp32 run's o rounded to bf16,
+    the fp32 backward must still meet the error-ratio rule (before D was made consistent: ratios ~1e3)."""
+    case = CASES[name]
+    q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=5)
+    idx = perturbed_indices(case, seed=3).to(DEVICE)
+    scale = 1.0 / math.sqrt(case.dk)
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    do = torch.randn_like(o)
+    got = bwd_module.selected_attention_backward(q, k, v, idx, o.bfloat16().float(), stats, do, case.sel_block,
+                                                 scale)
+
+    def grads(dtype):
+        leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+        return torch.autograd.grad(selected_attention_naive(*leaves, idx, case.sel_block), leaves, do.to(dtype))
+
+    for label, g, low, exact in zip(("dq", "dk", "dv"), got, grads(torch.float32), grads(torch.float64)):
+        assert error_ratio(g, low, exact) <= 1.0, label
+
+
+HALF_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+@pytest.mark.parametrize("name, dtype", [("group1", torch.bfloat16), ("group16", torch.bfloat16),
+                                         ("group3-dk12-dv8", torch.bfloat16), ("group3-dk12-dv8", torch.float16)],
+                         ids=["group1-bf16", "group16-bf16", "group3-bf16", "group3-fp16"])
+def test_half_precision_dq_is_rounded_once(name: str, dtype: torch.dtype) -> None:
+    """bf16/fp16 inputs: dq is carried in fp32 and rounded once, so each element is within 1 ulp of float64
+    (1 ulp, not 1/2: the interpreter's fp32 -> half casts truncate) plus 2^-(mantissa + 5) * max|dq|. Feeding dS
+    to the dS K dot rounded to the input dtype (what the GPU run 1 kernel did) leaves errors of
+    2^-(mantissa + 1)-relative per dS term, measured 8-16x over that slack in bf16; the hi + lo split leaves
+    ~2^-16. o, dk, dv meet the error-ratio rule against the naive oracle run in the same dtype."""
+    case = CASES[name]
+    q, k, v = random_qkv(case, dtype=dtype, device=DEVICE, seed=5)
+    idx = perturbed_indices(case, seed=3).to(DEVICE)
+    do = torch.randn((case.batch, case.tq, case.n_heads, case.dv), generator=torch.Generator().manual_seed(9))
+    do = do.to(DEVICE, dtype)
+
+    def grads(fn, leaf_dtype):
+        leaves = [x.detach().to(leaf_dtype).requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, idx, case.sel_block)
+        return [out] + list(torch.autograd.grad(out, leaves, do.to(leaf_dtype)))
+
+    kernel = grads(triton_selected_attention, dtype)
+    low = grads(selected_attention_naive, dtype)
+    exact = grads(selected_attention_naive, torch.float64)
+    bits = HALF_MANTISSA_BITS[dtype]
+    dq, dq_exact = kernel[1].double().cpu(), exact[1].cpu()
+    ulp = torch.exp2(torch.floor(torch.log2(dq_exact.abs().clamp_min(1e-30))) - bits)
+    excess = ((dq - dq_exact).abs() - ulp).clamp_min(0).max().item()
+    assert excess <= 2.0 ** -(bits + 5) * dq_exact.abs().max().item(), excess
+    for label, got, lo, ex in zip(("o", "dq", "dk", "dv"), kernel, low, exact):
+        assert torch.isfinite(got).all(), label
+        assert error_ratio(got, lo, ex) <= 1.0, label
 
 
 def test_backward_is_bitwise_deterministic() -> None:
@@ -294,3 +359,15 @@ def test_launch_fallback_shrinks_tiles_on_out_of_resources() -> None:
 
     with pytest.raises(RuntimeError, match="not a resource"):
         launch_with_fallback(broken, Tiling(block_n=64, num_warps=4, num_stages=3))
+
+
+def test_dkdv_fallback_shrinks_stages_then_columns_then_key_rows() -> None:
+    """The dk/dv kernel's fallback keeps whole queries in a step (columns >= the padded group) and ends at the
+    smallest tiles."""
+    start = DkdvTiling(block_n=64, block_cols=64, num_warps=8, num_stages=2)
+    got = [(t.block_n, t.block_cols, t.num_stages) for t in smaller_dkdv_tilings(start, min_cols=16)]
+    assert got == [(64, 64, 2), (64, 64, 1), (64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1)]
+    got = [(t.block_n, t.block_cols) for t in smaller_dkdv_tilings(start, min_cols=64)]
+    assert got == [(64, 64), (64, 64), (32, 64), (16, 64)]
+    with pytest.raises(ValueError, match="block_cols"):
+        DkdvTiling(block_n=16, block_cols=24, num_warps=4, num_stages=1)

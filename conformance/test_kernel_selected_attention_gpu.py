@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from conformance.helpers import error_ratio, rel_error
 from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
-from optimized.kernels.selected_attention_bwd import selected_attention_backward
+from optimized.kernels.selected_attention_bwd import (selected_attention_backward, selected_attention_backward_dkdv,
+                                                      selected_attention_backward_dq)
 from optimized.kernels.selected_attention_fwd import selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
-from optimized.kernels.tiling import Tiling
+from optimized.kernels.tiling import DkdvTiling, Tiling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -45,7 +46,7 @@ PARITY_CASES = {
 LONG_CASE = Case(tk=65536, tq=65536, n_kv_heads=4, group=16, dk=128, dv=128, sel_block=64, n_sel=16)
 N_SAMPLED_ROWS = 64
 
-REPORT: dict = {"parity": [], "long": [], "timing": [], "forward_sweep": [], "backward_sweep": []}
+REPORT: dict = {"parity": [], "long": [], "timing": [], "forward_sweep": [], "dq_sweep": [], "dkdv_sweep": []}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -211,14 +212,16 @@ def sdpa_times(q, k, v, group: int, do) -> tuple[float, float, float]:
 
 @pytest.mark.parametrize("tk", [8192, 32768, 65536])
 def test_gpu_timing(tk: int) -> None:
-    """Median ms (triton.testing.do_bench) of the kernel forward, backward (inverted-index build included),
-    forward+backward and the index build alone, next to SDPA causal full attention on the same q/k/v
+    """Median ms (triton.testing.do_bench) of the kernel forward, backward through autograd (inverted-index
+    build included), forward+backward, the dq kernel alone, the dk/dv part alone (index build + dk/dv kernel +
+    slot reduction) and the index build alone, next to SDPA causal full attention on the same q/k/v
     (bf16, 64 q heads, 4 KV groups, d = 128)."""
     case = Case(tk=tk, tq=tk, n_kv_heads=4, group=16, dk=128, dv=128, sel_block=64, n_sel=16)
     q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=0)
     idx = random_indices(case, seed=1, device=DEVICE, dtype=torch.int32)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     do = torch.randn((1, tk, case.n_heads, case.dv), device=DEVICE, dtype=torch.bfloat16)
+    scale = 1.0 / math.sqrt(case.dk)
 
     def fwd():
         return triton_selected_attention(*leaves, idx, case.sel_block)
@@ -227,9 +230,15 @@ def test_gpu_timing(tk: int) -> None:
         torch.autograd.grad(fwd(), leaves, do)
 
     out = fwd()
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
+    _, delta = selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale)
     row = {"tk": tk, "case": str(case), "kernel_fwd_ms": bench_ms(fwd),
            "kernel_bwd_ms": bench_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)),
            "kernel_fwd_bwd_ms": bench_ms(step),
+           "dq_kernel_ms": bench_ms(lambda: selected_attention_backward_dq(q, k, v, idx, o, stats, do,
+                                                                          case.sel_block, scale)),
+           "dkdv_ms": bench_ms(lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do,
+                                                                       case.sel_block, scale)),
            "index_build_ms": bench_ms(lambda: build_inverted_index(idx, tk, case.sel_block))}
     del out
     (row["sdpa_causal_fwd_ms"], row["sdpa_causal_bwd_ms"],
@@ -238,44 +247,44 @@ def test_gpu_timing(tk: int) -> None:
     assert row["kernel_fwd_ms"] > 0
 
 
+def sweep(entries: list, settings, default, time_it) -> None:
+    """Time each launch setting (a setting the GPU cannot run is recorded, not fatal); mark the heuristic's."""
+    for setting in settings:
+        entry = {**vars(setting), "heuristic": setting == default}
+        try:
+            entry["ms"] = bench_ms(lambda: time_it(setting))
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        entries.append(entry)
+
+
 def test_gpu_tiling_sweep_at_64k() -> None:
-    """Forward and backward time per launch setting at T = 65536 (the heuristic's pick is marked), so the
-    defaults in tiling.py can be checked against measurements."""
-    from optimized.kernels.tiling import backward_tiling, forward_tiling, padded
+    """Forward, dq-kernel and dk/dv time per launch setting at T = 65536 (the heuristic's pick is marked), so
+    the defaults in tiling.py can be checked against measurements."""
+    from optimized.kernels.tiling import dkdv_tiling, dq_tiling, forward_tiling, padded
 
     case = LONG_CASE
     q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=0)
     idx = random_indices(case, seed=1, device=DEVICE, dtype=torch.int32)
     scale = 1.0 / math.sqrt(case.dk)
     dims = (padded(case.group), padded(case.dk), padded(case.dv), case.sel_block, torch.bfloat16)
-    fwd_default, bwd_default = forward_tiling(*dims), backward_tiling(*dims)
-    for block_n in (32, 64):
-        for warps in (4, 8):
-            for stages in (1, 2, 3, 4):
-                tiling = Tiling(block_n, warps, stages)
-                entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                         "heuristic": tiling == fwd_default}
-                try:
-                    entry["fwd_ms"] = bench_ms(lambda: selected_attention_forward(q, k, v, idx, case.sel_block,
-                                                                                  scale, tiling))
-                except Exception as exc:  # a setting the GPU cannot run is recorded, not fatal
-                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-                REPORT["forward_sweep"].append(entry)
+    sweep(REPORT["forward_sweep"],
+          [Tiling(n, w, st) for n in (32, 64) for w in (4, 8) for st in (1, 2, 3)], forward_tiling(*dims),
+          lambda tiling: selected_attention_forward(q, k, v, idx, case.sel_block, scale, tiling))
     o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
     do = torch.randn_like(o)
-    for block_n in (16, 32, 64):
-        for warps in (4, 8):
-            for stages in (1, 2):
-                tiling = Tiling(block_n, warps, stages)
-                entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                         "heuristic": tiling == bwd_default}
-                try:
-                    entry["bwd_ms"] = bench_ms(lambda: selected_attention_backward(
-                        q, k, v, idx, o, stats, do, case.sel_block, scale, tiling))
-                except Exception as exc:
-                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-                REPORT["backward_sweep"].append(entry)
-    assert any("fwd_ms" in e for e in REPORT["forward_sweep"])
+    sweep(REPORT["dq_sweep"],
+          [Tiling(n, w, st) for n in (32, 64) for w in (4, 8) for st in (1, 2, 3)], dq_tiling(*dims),
+          lambda tiling: selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale, tiling))
+    _, delta = selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale)
+    shapes = [(64, 32), (64, 64), (64, 128), (32, 64), (32, 128)]
+    sweep(REPORT["dkdv_sweep"],
+          [DkdvTiling(n, c, w, st) for n, c in shapes for w in (4, 8) for st in (1, 2)],
+          dkdv_tiling(case.group, padded(case.dk), padded(case.dv), case.sel_block, torch.bfloat16),
+          lambda launch: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, case.sel_block, scale,
+                                                          launch))
+    assert any("ms" in e for e in REPORT["forward_sweep"])
+    assert any("ms" in e for e in REPORT["dkdv_sweep"])
 
 
 def markdown(report: dict) -> str:
@@ -293,23 +302,26 @@ def markdown(report: dict) -> str:
         lines += ["## T = 65536 forward + backward", "", "```", json.dumps(r, indent=1), "```", ""]
     if report["timing"]:
         lines += ["## Timing (median ms, bf16, Hq=64, Hkv=4, d=128, n=16, l'=64)", "",
-                  "| T | kernel fwd | kernel bwd | kernel fwd+bwd | index build | SDPA fwd | SDPA bwd | "
-                  "SDPA fwd+bwd | SDPA/kernel fwd |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| T | kernel fwd | kernel bwd | kernel fwd+bwd | dq kernel | dk/dv (+index) | index build | "
+                  "SDPA fwd | SDPA bwd | SDPA fwd+bwd | SDPA/kernel fwd | SDPA/kernel fwd+bwd |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in report["timing"]:
             lines.append(f"| {r['tk']} | {r['kernel_fwd_ms']:.2f} | {r['kernel_bwd_ms']:.2f} | "
-                         f"{r['kernel_fwd_bwd_ms']:.2f} | {r['index_build_ms']:.2f} | "
+                         f"{r['kernel_fwd_bwd_ms']:.2f} | {r['dq_kernel_ms']:.2f} | {r['dkdv_ms']:.2f} | "
+                         f"{r['index_build_ms']:.2f} | "
                          f"{r['sdpa_causal_fwd_ms']:.2f} | {r['sdpa_causal_bwd_ms']:.2f} | "
                          f"{r['sdpa_causal_fwd_bwd_ms']:.2f} | "
-                         f"{r['sdpa_causal_fwd_ms'] / r['kernel_fwd_ms']:.1f}x |")
+                         f"{r['sdpa_causal_fwd_ms'] / r['kernel_fwd_ms']:.1f}x | "
+                         f"{r['sdpa_causal_fwd_bwd_ms'] / r['kernel_fwd_bwd_ms']:.1f}x |")
         lines.append("")
-    for key, metric in (("forward_sweep", "fwd_ms"), ("backward_sweep", "bwd_ms")):
+    for key in ("forward_sweep", "dq_sweep", "dkdv_sweep"):
         if report[key]:
-            lines += [f"## {key} at T = 65536 (* = heuristic default)", "", "| block_n | warps | stages | ms |",
-                      "|---|---|---|---|"]
+            fields = [f for f in report[key][0] if f not in ("heuristic", "ms", "error")]
+            lines += [f"## {key} at T = 65536 (* = heuristic default)", "", "| " + " | ".join(fields) + " | ms |",
+                      "|" + "---|" * (len(fields) + 1)]
             for e in report[key]:
-                value = f"{e[metric]:.2f}" if metric in e else e.get("error", "?")
+                value = f"{e['ms']:.2f}" if "ms" in e else e.get("error", "?")
                 star = " *" if e["heuristic"] else ""
-                lines.append(f"| {e['block_n']} | {e['num_warps']} | {e['num_stages']}{star} | {value} |")
+                lines.append("| " + " | ".join(str(e[f]) for f in fields) + f"{star} | {value} |")
             lines.append("")
     return "\n".join(lines)

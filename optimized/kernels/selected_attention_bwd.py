@@ -1,20 +1,35 @@
 """Backward Triton kernels of the selected-attention branch (Eq. 12): dq, dk, dv, deterministic (no atomics).
 
 FlashAttention-2 math with the forward's softmax stats (m, 1/l): P = 2^(S log2(e) - m) / l, dV = P^T dO, dP = dO V^T,
-D = rowsum(dO * O), dS = P * (dP - D), dQ = scale * dS K, dK = scale * dS^T Q.
+D = sum_s P_s dP_s, dS = P * (dP - D), dQ = scale * dS K, dK = scale * dS^T Q.
 
 - dq: query-centric like the forward, grid (t, g, b): one program per query row and KV group walks the
-  selected blocks of (t, g) and owns dq of the group's heads.
+  selected blocks of (t, g) and owns dq of the group's heads. It also fixes D (below) and writes it for dk/dv.
 - dk/dv: key-centric over the inverted index (selected_attention_index): one program per (work item, key
-  tile of the block) walks the queries that selected the block and accumulates dk/dv of its key tile in fp32.
+  tile of the block) takes the queries that selected the block BLOCK_COLS (query, head) columns at a time,
+  so each step is four [BLOCK_N, BLOCK_COLS]-sized dots, and accumulates dk/dv of its key tile in fp32.
   A block split over several items writes fp32 partials to workspace slots, then `_slot_reduce_kernel`
   sums them in slot order. All sums have a fixed order, so results are bitwise reproducible run to run.
+
+Accuracy (the error-ratio rule of conformance.helpers.error_ratio against a naive autograd oracle):
+- D is made consistent with the kernel's own P and dP. FlashAttention's D = rowsum(dO * O) carries O's
+  rounding (bf16 O, or the forward's bf16 P in its P V product), so sum_s dS_s != 0 and dq picks up a
+  systematic error D_err * sum_s P_s k_s. The dq kernel starts from D0 = rowsum(dO * O), accumulates
+  shift = sum_s P_s (dP_s - D0), sum P and sum_s P_s k_s in the same pass, and returns
+  dq = scale * (sum_s P_s (dP_s - D0) k_s - (D - D0) sum_s P_s k_s) with D = sum_s P_s dP_s = D0 sum P + shift.
+  That D is stored for the dk/dv kernel.
+- Half-precision inputs (SPLIT_DS): dS is fed to the dS K dot as two half-precision parts hi + lo
+  (lo = dS - hi rounded again), so dq carries dS to ~16 bits instead of 8/11 and is rounded once at the end.
+- fp32 inputs (COMPENSATED): exact fp32 dots run as sequential FMA chains on CUDA cores, and
+  `acc += dot(a, b)` is fused into one chain over every term. Each step's dot result is therefore added to the
+  accumulator with Kahan compensation, so a sum over thousands of (query, head) terms (block 0 is selected by
+  every query) keeps a few-ulp error instead of one growing with the chain length.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import triton
@@ -23,15 +38,38 @@ from torch import Tensor
 
 from .selected_attention_fwd import LOG2E, dot_settings
 from .selected_attention_index import build_inverted_index
-from .tiling import Tiling, backward_tiling, key_tile_rows, launch_with_fallback, padded
+from .tiling import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling, heads_per_query, key_tile_rows, launch_with_fallback,
+                     padded, smaller_dkdv_tilings)
+
+L = TypeVar("L")
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """a @ b accumulated in fp32. DOT_FP32: both operands as fp32 (exact 'ieee' fp32 dots for fp32 inputs; the
+    interpreter, whose tl.dot is wrong on bf16, runs every dtype this way)."""
+    if DOT_FP32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=INPUT_PRECISION)
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _compensated_add(total, comp, part):
+    """One Kahan step: returns (total + part, new compensation); total - comp is the compensated sum."""
+    y = part - comp
+    new_total = total + y
+    return new_total, (new_total - total) - y
 
 
 @triton.jit
 def _selected_attention_bwd_dq_kernel(
-    Q, K, V, DO, STATS, DELTA, IDX, DQ,
+    Q, K, V, O, DO, STATS, IDX, DQ, DELTA,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
     stride_dob, stride_dot, stride_doh,
     stride_sb, stride_st, stride_db, stride_dt,
     stride_ib, stride_it, stride_ih, stride_in,
@@ -40,6 +78,7 @@ def _selected_attention_bwd_dq_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SPLIT_DS: tl.constexpr, COMPENSATED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
@@ -59,18 +98,21 @@ def _selected_attention_bwd_dq_kernel(
                 mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
     do = tl.load(DO + b * stride_dob + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
                  mask=head_mask[:, None] & dv_mask[None, :], other=0.0)
-    # Padding heads: q = dO = 0, m = 1/l = D = 0, so P = 0 and dS = 0.
+    o = tl.load(O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+                mask=head_mask[:, None] & dv_mask[None, :], other=0.0)
+    # Padding heads: q = dO = 0, m = 1/l = 0, so P = 0 and dS = 0.
     m2 = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2, mask=head_mask, other=0.0)
     inv_l = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2 + 1, mask=head_mask, other=0.0)
-    delta = tl.load(DELTA + b * stride_db + t * stride_dt + heads, mask=head_mask, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    delta_start = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # D0 = rowsum(dO * O)
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
     idx_base = IDX + b * stride_ib + t * stride_it + g * stride_ih
     dq = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
+    dq_comp = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
+    p_k = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)  # sum_s P_s k_s
+    shift = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum_s P_s (dP_s - D0)
+    p_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     for it in range(0, n_sel * TILES_PER_BLOCK):
         slot = it // TILES_PER_BLOCK
@@ -78,29 +120,37 @@ def _selected_attention_bwd_dq_kernel(
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
         in_block = tile * BLOCK_N + offs_n
         pos = block * SEL_BLOCK + in_block
-        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)
+        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12 clip
 
         kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
                      mask=key_mask[None, :] & dk_mask[:, None], other=0.0)
         vT = tl.load(v_base + pos[None, :] * stride_vt + offs_dv[:, None],
                      mask=key_mask[None, :] & dv_mask[:, None], other=0.0)
-        if DOT_FP32:
-            kT = kT.to(tl.float32)
-            s = tl.dot(q, kT, input_precision=INPUT_PRECISION)
-            dp = tl.dot(do, vT.to(tl.float32), input_precision=INPUT_PRECISION)
-        else:
-            s = tl.dot(q, kT)
-            dp = tl.dot(do, vT)
+        s = _dot(q, kT, DOT_FP32, INPUT_PRECISION)
+        dp = _dot(do, vT, DOT_FP32, INPUT_PRECISION)
         probs = tl.where(key_mask[None, :], tl.exp2(s * scale_log2 - m2[:, None]) * inv_l[:, None], 0.0)
-        ds = probs * (dp - delta[:, None])
-        if DOT_FP32:
-            dq += tl.dot(ds, tl.trans(kT), input_precision=INPUT_PRECISION)
+        ds = probs * (dp - delta_start[:, None])
+        shift += tl.sum(ds, 1)
+        p_sum += tl.sum(probs, 1)
+        k_rows = tl.trans(kT)
+        if SPLIT_DS:
+            ds_hi = ds.to(K.dtype.element_ty)
+            ds_lo = (ds - ds_hi.to(tl.float32)).to(K.dtype.element_ty)
+            part = _dot(ds_hi, k_rows, DOT_FP32, INPUT_PRECISION) + _dot(ds_lo, k_rows, DOT_FP32, INPUT_PRECISION)
+            p_k += _dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
         else:
-            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+            part = _dot(ds, k_rows, DOT_FP32, INPUT_PRECISION)
+            p_k += _dot(probs, k_rows, DOT_FP32, INPUT_PRECISION)
+        if COMPENSATED:
+            dq, dq_comp = _compensated_add(dq, dq_comp, part)
+        else:
+            dq += part
 
-    dq = dq * scale
+    correction = shift + delta_start * (p_sum - 1.0)  # D - D0, D = sum_s P_s dP_s = D0 * sum P + shift
+    dq = ((dq - dq_comp) - correction[:, None] * p_k) * scale
     tl.store(DQ + b * stride_dqb + t * stride_dqt + heads[:, None] * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=head_mask[:, None] & dk_mask[None, :])
+    tl.store(DELTA + b * stride_db + t * stride_dt + heads, delta_start + correction, mask=head_mask)
 
 
 @triton.jit
@@ -116,8 +166,9 @@ def _selected_attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvt, stride_dvh,
     n_kv_heads, n_blocks, n_keys_total, q_offset, scale, scale_log2,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HEADS: tl.constexpr, QUERIES_PER_STEP: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
@@ -129,14 +180,17 @@ def _selected_attention_bwd_dkdv_kernel(
     end = tl.load(ITEM_END + item).to(tl.int64)
     slot = tl.load(ITEM_SLOT + item).to(tl.int64)
 
-    offs_h = tl.arange(0, BLOCK_H)
+    # Column c of a step is (query c // HEADS of the step, head c % HEADS of the group); HEADS = next_pow2(h).
+    offs_c = tl.arange(0, BLOCK_COLS)
+    col_query = offs_c // HEADS
+    col_head = offs_c % HEADS
+    head_ok = col_head < GROUP
+    heads = g * GROUP + col_head
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    head_mask = offs_h < GROUP
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
-    heads = g * GROUP + offs_h
     in_block = tile * BLOCK_N + offs_n
     pos = block * SEL_BLOCK + in_block
     key_mask = (in_block < SEL_BLOCK) & (pos < n_keys_total)
@@ -145,42 +199,38 @@ def _selected_attention_bwd_dkdv_kernel(
                 mask=key_mask[:, None] & dk_mask[None, :], other=0.0)
     v = tl.load(V + b * stride_vb + g * stride_vh + pos[:, None] * stride_vt + offs_dv[None, :],
                 mask=key_mask[:, None] & dv_mask[None, :], other=0.0)
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk_comp = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
+    dv_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    for e in range(begin, end):
-        t = tl.load(QUERY_ROWS + e).to(tl.int64)
-        p = q_offset + t
-        qT = tl.load(Q + b * stride_qb + t * stride_qt + heads[None, :] * stride_qh + offs_dk[:, None],
-                     mask=head_mask[None, :] & dk_mask[:, None], other=0.0)
-        do = tl.load(DO + b * stride_dob + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
-                     mask=head_mask[:, None] & dv_mask[None, :], other=0.0)
-        m2 = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2, mask=head_mask, other=0.0)
-        inv_l = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2 + 1, mask=head_mask, other=0.0)
-        delta = tl.load(DELTA + b * stride_db + t * stride_dt + heads, mask=head_mask, other=0.0)
-        visible = key_mask & (pos <= p)  # Eq. 12 clip for this query
-        if DOT_FP32:
-            qT = qT.to(tl.float32)
-            do = do.to(tl.float32)
-            sT = tl.dot(k, qT, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_H]
-        else:
-            sT = tl.dot(k, qT)
-        pT = tl.where(visible[:, None], tl.exp2(sT * scale_log2 - m2[None, :]) * inv_l[None, :], 0.0)
-        if DOT_FP32:
-            dv += tl.dot(pT, do, input_precision=INPUT_PRECISION)
-            dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-        else:
-            dv += tl.dot(pT.to(do.dtype), do)
-            dpT = tl.dot(v, tl.trans(do))
+    for e0 in range(begin, end, QUERIES_PER_STEP):
+        e = e0 + col_query
+        listed = e < end
+        col_ok = head_ok & listed
+        t = tl.load(QUERY_ROWS + e, mask=listed, other=0).to(tl.int64)
+        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
+                    mask=col_ok[:, None] & dk_mask[None, :], other=0.0)  # [BLOCK_COLS, BLOCK_DK]
+        do = tl.load(DO + b * stride_dob + t[:, None] * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
+                     mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
+        # Unused columns: m = 1/l = D = 0 and q = dO = 0, so P = dS = 0.
+        m2 = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2, mask=col_ok, other=0.0)
+        inv_l = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2 + 1, mask=col_ok, other=0.0)
+        delta = tl.load(DELTA + b * stride_db + t * stride_dt + heads, mask=col_ok, other=0.0)
+        visible = key_mask[:, None] & (pos[:, None] <= (q_offset + t)[None, :]) & col_ok[None, :]  # Eq. 12 clip
+
+        sT = _dot(k, tl.trans(q), DOT_FP32, INPUT_PRECISION)  # [BLOCK_N, BLOCK_COLS]
+        pT = tl.where(visible, tl.exp2(sT * scale_log2 - m2[None, :]) * inv_l[None, :], 0.0)
+        dpT = _dot(v, tl.trans(do), DOT_FP32, INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
-        if DOT_FP32:
-            dk += tl.dot(dsT, tl.trans(qT), input_precision=INPUT_PRECISION)
+        if COMPENSATED:
+            dv, dv_comp = _compensated_add(dv, dv_comp, _dot(pT, do, DOT_FP32, INPUT_PRECISION))
+            dk, dk_comp = _compensated_add(dk, dk_comp, _dot(dsT, q, DOT_FP32, INPUT_PRECISION))
         else:
-            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
-    dk = dk * scale
+            dv += _dot(pT.to(do.dtype), do, DOT_FP32, INPUT_PRECISION)
+            dk += _dot(dsT.to(q.dtype), q, DOT_FP32, INPUT_PRECISION)
+    dk = (dk - dk_comp) * scale
+    dv = dv - dv_comp
 
     direct = slot < 0
     tl.store(DK_OUT + b * stride_dkb + g * stride_dkh + pos[:, None] * stride_dkt + offs_dk[None, :],
@@ -200,7 +250,7 @@ def _slot_reduce_kernel(
     stride_dvb, stride_dvt, stride_dvh,
     n_kv_heads, n_blocks, n_keys_total,
     DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, COMPENSATED: tl.constexpr,
 ):
     """dk/dv of a split block = sum of its workspace slots, in slot order (deterministic)."""
     split = tl.program_id(0).to(tl.int64)
@@ -221,71 +271,109 @@ def _slot_reduce_kernel(
     dv_mask = row_mask[:, None] & (offs_dv[None, :] < DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk_comp = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
+    dv_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for s in range(first, last):
         rows = s * SEL_BLOCK + in_block
-        dk += tl.load(DK_WS + rows[:, None] * DK + offs_dk[None, :], mask=dk_mask, other=0.0)
-        dv += tl.load(DV_WS + rows[:, None] * DV + offs_dv[None, :], mask=dv_mask, other=0.0)
+        dk_part = tl.load(DK_WS + rows[:, None] * DK + offs_dk[None, :], mask=dk_mask, other=0.0)
+        dv_part = tl.load(DV_WS + rows[:, None] * DV + offs_dv[None, :], mask=dv_mask, other=0.0)
+        if COMPENSATED:
+            dk, dk_comp = _compensated_add(dk, dk_comp, dk_part)
+            dv, dv_comp = _compensated_add(dv, dv_comp, dv_part)
+        else:
+            dk += dk_part
+            dv += dv_part
     out_rows = (pos < n_keys_total)[:, None]
     tl.store(DK_OUT + b * stride_dkb + g * stride_dkh + pos[:, None] * stride_dkt + offs_dk[None, :],
-             dk.to(DK_OUT.dtype.element_ty), mask=dk_mask & out_rows)
+             (dk - dk_comp).to(DK_OUT.dtype.element_ty), mask=dk_mask & out_rows)
     tl.store(DV_OUT + b * stride_dvb + g * stride_dvh + pos[:, None] * stride_dvt + offs_dv[None, :],
-             dv.to(DV_OUT.dtype.element_ty), mask=dv_mask & out_rows)
+             (dv - dv_comp).to(DV_OUT.dtype.element_ty), mask=dv_mask & out_rows)
+
+
+def precision_modes(dtype: torch.dtype) -> dict:
+    """Constexpr numerics switches of the backward kernels for an input dtype (see the module docstring)."""
+    dot_fp32, precision = dot_settings(dtype)
+    return dict(DOT_FP32=dot_fp32, INPUT_PRECISION=precision, COMPENSATED=dtype == torch.float32)
 
 
 def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, stats: Tensor,
                                 do: Tensor, sel_block: int, scale: float, tiling: Tiling | None = None,
+                                dkdv_launch: DkdvTiling | None = None,
                                 queries_per_item: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv for validated inputs (last dims contiguous) and the forward's o, stats (m, 1/l).
 
-    tiling: launch settings of the dq and dk/dv kernels, used as given (the GPU benchmark sweeps it); default:
-    tiling.backward_tiling's heuristic, shrunk by launch_with_fallback if the GPU lacks the resources.
+    tiling / dkdv_launch: launch settings of the dq and dk/dv kernels, used as given (the GPU benchmark sweeps
+    them); default: tiling.dq_tiling / tiling.dkdv_tiling heuristics, shrunk if the GPU lacks the resources.
     queries_per_item: most queries one dk/dv program walks before its block is split over workspace slots
     (default: selected_attention_index.default_queries_per_item); tests set it small to cover the split path.
     """
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq, delta = selected_attention_backward_dq(q, k, v, indices, o, stats, do, sel_block, scale, tiling)
+    dk, dv = selected_attention_backward_dkdv(q, k, v, indices, stats, delta, do, sel_block, scale, dkdv_launch,
+                                              queries_per_item)
+    return dq, dk, dv
+
+
+def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, stats: Tensor,
+                                   do: Tensor, sel_block: int, scale: float,
+                                   tiling: Tiling | None = None) -> tuple[Tensor, Tensor]:
+    """dq [B, TQ, Hq, dk] and D [B, TQ, Hq] fp32 = sum_s P_s dP_s (consistent with the kernels' P and dP)."""
     B, TQ, Hq, dk_dim = q.shape
     TK, Hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     group = Hq // Hkv
-    n_sel = indices.shape[-1]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    delta = torch.empty((B, TQ, Hq), device=q.device, dtype=torch.float32)
     if B * TQ * Hq == 0:
-        return dq, dk, dv
-    if do.stride(-1) != 1:
-        do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # D = rowsum(dO * O), [B, TQ, Hq]
-
+        return dq, delta
     block_h, block_dk, block_dv = padded(group), padded(dk_dim), padded(dv_dim)
-    dot_fp32, precision = dot_settings(q.dtype)
-    shapes = dict(GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h,
-                  BLOCK_DK=block_dk, BLOCK_DV=block_dv, DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
+    modes = precision_modes(q.dtype)
 
-    def launch_dq(tiling: Tiling) -> None:
+    def launch(tiling: Tiling) -> None:
         _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](
-            q, k, v, do, stats, delta, indices, dq,
+            q, k, v, o, do, stats, indices, dq, delta,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
             do.stride(0), do.stride(1), do.stride(2),
             stats.stride(0), stats.stride(1), delta.stride(0), delta.stride(1),
             indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            n_sel, TK - TQ, scale, scale * LOG2E, BLOCK_N=tiling.block_n,
-            TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), **shapes,
+            indices.shape[-1], TK - TQ, scale, scale * LOG2E,
+            GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h, BLOCK_DK=block_dk,
+            BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n),
+            SPLIT_DS=q.dtype != torch.float32, **modes,
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
-    heuristic = backward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype)
-    run(launch_dq, tiling, heuristic)
+    _run(launch, tiling, dq_tiling(block_h, block_dk, block_dv, sel_block, q.dtype))
+    return dq, delta
 
+
+def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, stats: Tensor,
+                                     delta: Tensor, do: Tensor, sel_block: int, scale: float,
+                                     dkdv_launch: DkdvTiling | None = None,
+                                     queries_per_item: int | None = None) -> tuple[Tensor, Tensor]:
+    """dk, dv (zero for keys no query selected) from the dq kernel's D; deterministic."""
+    B, TQ, Hq, dk_dim = q.shape
+    TK, Hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+    group = Hq // Hkv
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    if B * TQ * Hq == 0:
+        return dk, dv
     index = build_inverted_index(indices, TK, sel_block, queries_per_item)
     if index.n_items == 0:
-        return dq, dk, dv
+        return dk, dv
     n_slots = index.n_slots
     dk_ws = torch.empty((max(n_slots, 1), sel_block, dk_dim), device=q.device, dtype=torch.float32)
     dv_ws = torch.empty((max(n_slots, 1), sel_block, dv_dim), device=q.device, dtype=torch.float32)
+    heads = heads_per_query(group)
+    block_dk, block_dv = padded(dk_dim), padded(dv_dim)
+    modes = precision_modes(q.dtype)
 
-    def launch_dkdv(tiling: Tiling) -> None:
+    def launch(tiling: DkdvTiling) -> None:
         _selected_attention_bwd_dkdv_kernel[(index.n_items, math.ceil(sel_block / tiling.block_n))](
             q, k, v, do, stats, delta, dk, dv, dk_ws, dv_ws,
             index.query_rows, index.item_key, index.item_begin, index.item_end, index.item_slot,
@@ -296,11 +384,21 @@ def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor
             stats.stride(0), stats.stride(1), delta.stride(0), delta.stride(1),
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            Hkv, index.n_blocks, TK, TK - TQ, scale, scale * LOG2E, BLOCK_N=tiling.block_n, **shapes,
+            Hkv, index.n_blocks, TK, TK - TQ, scale, scale * LOG2E,
+            GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, HEADS=heads,
+            QUERIES_PER_STEP=tiling.block_cols // heads, BLOCK_COLS=tiling.block_cols,
+            BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, **modes,
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
-    run(launch_dkdv, tiling, heuristic)
+    if dkdv_launch is None:
+        heuristic = dkdv_tiling(group, block_dk, block_dv, sel_block, q.dtype)
+        launch_with_fallback(launch, heuristic, smaller_dkdv_tilings(heuristic, heads))
+    else:
+        if dkdv_launch.block_cols < heads:
+            raise ValueError(f"dkdv_launch.block_cols ({dkdv_launch.block_cols}) must hold one query's "
+                             f"{heads} padded heads")
+        launch(dkdv_launch)
     if n_slots:
         rows = key_tile_rows(sel_block, 32)
         _slot_reduce_kernel[(index.split_key.numel(), math.ceil(sel_block / rows))](
@@ -309,12 +407,12 @@ def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor
             dv.stride(0), dv.stride(1), dv.stride(2),
             Hkv, index.n_blocks, TK,
             DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=rows,
-            num_warps=4,
+            COMPENSATED=modes["COMPENSATED"], num_warps=4,
         )
-    return dq, dk, dv
+    return dk, dv
 
 
-def run(launch: Callable[[Tiling], None], tiling: Tiling | None, heuristic: Tiling) -> None:
+def _run(launch: Callable[[L], None], tiling: L | None, heuristic: L) -> None:
     """An explicit tiling is launched as given; the heuristic one may shrink (launch_with_fallback)."""
     if tiling is None:
         launch_with_fallback(launch, heuristic)

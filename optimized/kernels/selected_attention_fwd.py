@@ -93,8 +93,8 @@ def _selected_attention_fwd_kernel(
         probs = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(probs, 1)
         acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc += tl.dot(probs, v.to(tl.float32), input_precision=INPUT_PRECISION)
+        if DOT_FP32:  # P goes to the dot in the input dtype, as on the GPU path (no-op for fp32 inputs)
+            acc += tl.dot(probs.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=INPUT_PRECISION)
         else:
             acc += tl.dot(probs.to(v.dtype), v)
         m_i = m_new
@@ -117,7 +117,8 @@ def logsumexp(stats: Tensor) -> Tensor:
 
 def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
     """(DOT_FP32, INPUT_PRECISION): fp32 inputs use exact fp32 dots ('ieee', no TF32); the interpreter's
-    tl.dot is wrong on bf16, so there every operand is upcast to fp32."""
+    tl.dot is wrong on bf16, so there every operand is upcast to fp32 (after being rounded to the input dtype
+    wherever the GPU path feeds the dot a half-precision operand, so the interpreter keeps its numerics)."""
     dot_fp32 = dtype == torch.float32 or interpreting()
     return dot_fp32, "ieee"
 

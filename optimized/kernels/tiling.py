@@ -1,8 +1,11 @@
 """Tile sizes and launch settings of the selected-attention kernels (the paper's Section 3.4 design).
 
-A program holds the query heads of one GQA group as a [BLOCK_H, BLOCK_DK] tile (BLOCK_H >= 16 so tl.dot
-has an MMA-sized M dimension) and walks key tiles of BLOCK_N rows inside each selected block (B_k | l' when
-l' is a multiple of 16; smaller or odd blocks are covered by a 16-row tile with a mask).
+Forward and dq: a program holds the query heads of one GQA group as a [BLOCK_H, BLOCK_DK] tile (BLOCK_H >= 16
+so tl.dot has an MMA-sized M dimension) and walks key tiles of BLOCK_N rows inside each selected block (B_k | l'
+when l' is a multiple of 16; smaller or odd blocks are covered by a 16-row tile with a mask).
+dk/dv: a program holds a key tile [BLOCK_N, d] of one selected block and takes the queries that selected the
+block BLOCK_COLS (query, head) columns at a time (queries x next_pow2(h) heads), so every tl.dot is
+[BLOCK_N, BLOCK_COLS]-sized instead of one query's [BLOCK_N, h].
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory a forward program may plan for (H100: 227 KiB per SM)
 
 T = TypeVar("T")
+L = TypeVar("L")
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,66 @@ def forward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, d
     return Tiling(block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def backward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
-    """Heuristic backward launch (dq and dk/dv kernels): fp32 accumulators of [BLOCK_N, d] live in registers,
-    so key tiles are narrower for wide heads."""
+def dq_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
+    """Heuristic launch of the dq kernel (query-centric like the forward): narrower key tiles for wide heads and
+    fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and sum(P k) live in registers)."""
     elem = torch.finfo(dtype).bits // 8
     cap = 64 if max(block_dk, block_dv) <= 128 and elem == 2 else 32
     block_n = key_tile_rows(sel_block, cap)
     warps = 8 if block_h * max(block_dk, block_dv) >= 64 * 128 or block_n * max(block_dk, block_dv) >= 64 * 128 else 4
     return Tiling(block_n=block_n, num_warps=warps, num_stages=2 if elem == 2 else 1)
+
+
+@dataclass(frozen=True)
+class DkdvTiling:
+    """dk/dv launch: key rows per program (block_n), (query, head) columns per step (block_cols), warps, stages."""
+
+    block_n: int
+    block_cols: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        Tiling(self.block_n, self.num_warps, self.num_stages)  # same rules for the shared fields
+        if self.block_cols < MIN_DOT or self.block_cols & (self.block_cols - 1):
+            raise ValueError(f"DkdvTiling.block_cols must be a power of two >= {MIN_DOT}, got {self.block_cols}")
+
+
+def heads_per_query(group: int) -> int:
+    """Columns one query takes in a dk/dv step: the group's h heads padded to a power of two."""
+    return triton.next_power_of_2(group)
+
+
+def dkdv_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> DkdvTiling:
+    """Heuristic dk/dv launch. Half precision: 64 columns (e.g. 4 queries x 16 heads) against a key tile of up to
+    64 rows (32 for d > 128), so the fp32 dk/dv accumulators [block_n, d] stay in registers with 8 warps.
+    fp32 (exact fp32 dots on CUDA cores, plus compensation terms): narrower tiles."""
+    elem = torch.finfo(dtype).bits // 8
+    width = max(block_dk, block_dv)
+    heads = heads_per_query(group)
+    if elem == 2:
+        block_n = key_tile_rows(sel_block, 64 if width <= 128 else 32)
+        cols = max(64, heads)
+        return DkdvTiling(block_n=block_n, block_cols=cols, num_warps=8 if block_n * width >= 64 * 64 else 4,
+                          num_stages=2)
+    block_n = key_tile_rows(sel_block, 32 if width <= 128 else 16)
+    return DkdvTiling(block_n=block_n, block_cols=max(32, heads), num_warps=8 if width >= 128 else 4, num_stages=1)
+
+
+def smaller_dkdv_tilings(tiling: DkdvTiling, min_cols: int) -> list[DkdvTiling]:
+    """The given dk/dv tiling, then fewer stages, then fewer columns (down to min_cols), then fewer key rows."""
+    out = [tiling]
+    for stages in range(tiling.num_stages - 1, 0, -1):
+        out.append(DkdvTiling(tiling.block_n, tiling.block_cols, tiling.num_warps, stages))
+    cols = tiling.block_cols // 2
+    while cols >= max(MIN_DOT, min_cols):
+        out.append(DkdvTiling(tiling.block_n, cols, tiling.num_warps, 1))
+        cols //= 2
+    block_n = tiling.block_n // 2
+    while block_n >= MIN_DOT:
+        out.append(DkdvTiling(block_n, max(MIN_DOT, min_cols), tiling.num_warps, 1))
+        block_n //= 2
+    return out
 
 
 def smaller_tilings(tiling: Tiling) -> list[Tiling]:
@@ -93,10 +149,11 @@ def smaller_tilings(tiling: Tiling) -> list[Tiling]:
     return out
 
 
-def launch_with_fallback(launch: Callable[[Tiling], T], tiling: Tiling) -> T:
+def launch_with_fallback(launch: Callable[[L], T], tiling: L, candidates: list[L] | None = None) -> T:
     """launch(tiling); if Triton reports the program needs more shared memory or registers than the GPU has
-    (OutOfResources, raised when the kernel is compiled), retry with smaller_tilings(tiling) in order."""
-    candidates = smaller_tilings(tiling)
+    (OutOfResources, raised when the kernel is compiled), retry with the next of `candidates` (default:
+    smaller_tilings(tiling)) in order."""
+    candidates = candidates or smaller_tilings(tiling)
     for candidate in candidates[:-1]:
         try:
             return launch(candidate)
