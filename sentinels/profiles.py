@@ -29,7 +29,11 @@ class Profile:
     watchdog_plant_steps: int = 30
     label_shift_batches: int = 8
     eval_batches: int = 8
+    loss_floor_plant_steps: int = 0  # steps of the planted kv_next_token leak on real text (0 = not run; see
+    #                                   docs/sentinels.md: a window's last label is never visible, which bounds
+    #                                   the leaky loss near ln(V)/seq_len, above the floor at CPU sizes)
     budget_s: float = 300.0  # wall-clock budget of the whole profile (runs stop when it is spent)
+    run_cap_s: float = 120.0  # wall-clock cap of one training run (it stops, and its verdict says so)
     cpu_threads: int | None = None  # torch intra-op threads (tiny CPU models run faster on one thread, and
     #                                 much faster than two on a shared 2-core machine)
 
@@ -61,10 +65,12 @@ PROFILES = {
                       "train.warmup_steps": 20, "data.synthetic.vocab_size": 512},
         long_range={"train.steps": 300, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
-        real_text={"train.steps": 300, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 30},
+        real_text={"train.steps": 200, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 20},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
+        loss_floor_plant_steps=200,
         budget_s=540.0,
+        run_cap_s=60.0,
     ),
 }
 

@@ -82,10 +82,12 @@ class SentinelRunner:
     def _train(self, cfg: RunConfig, *, step_hook=None, batch_source=None) -> tuple[Trainer, TrainResult]:
         if time.monotonic() > self.deadline:
             raise BudgetExhausted("the profile's time budget is spent")
+        run_deadline = min(self.deadline, time.monotonic() + self.profile.run_cap_s)
 
         def hook(trainer: Trainer, step: int) -> None:
-            if time.monotonic() > self.deadline:
-                trainer.request_stop("time budget")
+            if time.monotonic() > run_deadline:
+                trainer.request_stop(f"time cap ({self.profile.run_cap_s:.0f} s per run, profile budget "
+                                     f"{self.profile.budget_s:.0f} s)")
             if step_hook is not None:
                 step_hook(trainer, step)
 
@@ -156,7 +158,7 @@ class SentinelRunner:
                 refused += 1
         verdict = PASS if not problems else FAIL
         summary = (f"{checked} pipeline batches aligned; {refused}/2 misaligned batches refused"
-                   if not problems else "; ".join(problems))
+                   if not problems else f"{len(problems)} problem(s); first: {problems[0]}")
         return SentinelResult("label_shift", verdict, summary, "labels[:, :-1] == inputs[:, 1:] for every batch",
                               metrics={"batches_checked": checked, "misaligned_refused": refused},
                               wall_s=time.monotonic() - t0, planted=planted)
@@ -278,7 +280,7 @@ class SentinelRunner:
 
         hard = [e for e in result.events if e.kind in ("nonfinite", "zero_grad", "heartbeat_stall")]
         soft = [e for e in result.events if e.kind in ("throughput_drop", "fetch_slowdown", "data_fallback")]
-        tps = [r["tokens_per_s"] for r in result.records[2:]] or [0.0]
+        tps = [r["tokens_per_s"] for r in (result.records[2:] or result.records)] or [0.0]
         watchdog = SentinelResult(
             "watchdog", FAIL if hard else (WARN if soft else PASS),
             ("; ".join(e.message for e in (hard + soft)[:3]) if (hard or soft) else
@@ -309,6 +311,9 @@ class SentinelRunner:
                  lambda: [self.random_label(leak="kv_next_token", planted="kv_next_token")]),
                 ("leak: cmp_block_early", "random_label",
                  lambda: [self.random_label(leak="cmp_block_early", planted="cmp_block_early")]),
+                ("leak: kv_next_token on real text", "loss_floor",
+                 lambda: self.real_text(leak="kv_next_token", steps=self.profile.loss_floor_plant_steps,
+                                        planted="kv_next_token")),
                 ("labels misaligned", "label_shift",
                  lambda: [self.label_shift(make_batch=misaligned_batch, planted="labels == inputs")]),
                 ("gates saturated", "gate_collapse",
@@ -331,6 +336,8 @@ class SentinelRunner:
                 results.append(SentinelResult(name, SKIP, str(exc), "-"))
             self.log(f"[sentinels]   {results[-1].name}: {results[-1].verdict} - {results[-1].summary}")
         planted_rows: list[SentinelResult] = []
+        if self.profile.loss_floor_plant_steps == 0:
+            selftests = [t for t in selftests if t[1] != "loss_floor"]
         for label, target, fn in selftests:
             self.log(f"[selftest] {label} -> must trip {target} ...")
             try:
