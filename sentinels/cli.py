@@ -115,19 +115,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.time()
     if profile.cpu_threads is not None:
         torch.set_num_threads(profile.cpu_threads)
+    name = f"{profile.name}-{device_slug()}"
+    corpus = None
+
+    def report(results, planted, verdict, plots):
+        return write_report(out_root, name, profile=profile, run_config=run_config, run_config_path=run_config_path,
+                            probe_config=probe_config, corpus=corpus, results=results, planted=planted,
+                            verdict=verdict, started=started, selftest=not args.no_selftest, plots=plots)
+
     try:
         corpus = _resolve_corpus(args.corpus, work_dir, log)
         runner = SentinelRunner(profile, run_config=run_config, probe_config=probe_config, work_dir=work_dir,
                                 corpus=corpus, budget_s=args.budget_s, log=log)
-        results, planted = runner.run_all(selftest=not args.no_selftest)
+        results, planted = runner.run_all(selftest=not args.no_selftest,
+                                          on_progress=lambda r, p: report(r, p, "RUNNING", plots=False))
     finally:
         if not args.keep_runs and not args.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
     verdict = overall_verdict(results, planted)
-    name = f"{profile.name}-{device_slug()}"
-    report_path = write_report(out_root, name, profile=profile, run_config=run_config, run_config_path=run_config_path,
-                               probe_config=probe_config, corpus=corpus, results=results, planted=planted,
-                               verdict=verdict, started=started, selftest=not args.no_selftest)
+    report_path = report(results, planted, verdict, plots=True)
     print_table(results, planted, verdict)
     print(f"report: {report_path}")
     return 0 if verdict == "PASS" else 1

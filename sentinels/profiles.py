@@ -63,14 +63,14 @@ PROFILES = {
         precision="bf16",
         random_label={"train.steps": 200, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
                       "train.warmup_steps": 20, "data.synthetic.vocab_size": 512},
-        long_range={"train.steps": 300, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
+        long_range={"train.steps": 200, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
         real_text={"train.steps": 200, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 20},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
         loss_floor_plant_steps=200,
-        budget_s=540.0,
-        run_cap_s=60.0,
+        budget_s=480.0,
+        run_cap_s=55.0,
     ),
 }
 

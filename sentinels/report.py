@@ -76,14 +76,17 @@ def _reference_lines(result: SentinelResult) -> dict[str, float]:
 
 def write_report(out_root: Path, name: str, *, profile: Profile, run_config: RunConfig, run_config_path: Path,
                  probe_config: RunConfig, corpus: Path | None, results: list[SentinelResult],
-                 planted: list[SentinelResult], verdict: str, started: float, selftest: bool) -> Path:
+                 planted: list[SentinelResult], verdict: str, started: float, selftest: bool,
+                 plots: bool = True) -> Path:
+    """The JSON report (and, with plots, one PNG per result). Called after every step with plots=False and
+    verdict RUNNING, so a run killed mid-way still leaves what it measured."""
     out_root.mkdir(parents=True, exist_ok=True)
     plot_dir = out_root / name
     entries = []
     for r in results + planted:
         stem = r.name if r.planted is None else f"selftest-{_slug(r.planted)}-{r.name}"
         png = plot_dir / f"{stem}.png"
-        plotted = plot_result(r, png, extra_lines=_reference_lines(r))
+        plotted = plots and plot_result(r, png, extra_lines=_reference_lines(r))
         entry = r.as_dict()
         entry["tripped"] = r.tripped
         entry["plot"] = str(png.relative_to(out_root)) if plotted else None

@@ -295,7 +295,10 @@ class SentinelRunner:
         return [floor, gate, watchdog]
 
     # -- the whole profile ---------------------------------------------------------------------------
-    def run_all(self, *, selftest: bool = True) -> tuple[list[SentinelResult], list[SentinelResult]]:
+    def run_all(self, *, selftest: bool = True,
+                on_progress: Callable[[list[SentinelResult], list[SentinelResult]], None] | None = None,
+                ) -> tuple[list[SentinelResult], list[SentinelResult]]:
+        """Every sentinel, then the self-test; on_progress(results, planted) after each step (partial reports)."""
         results: list[SentinelResult] = []
         plan: list[tuple[str, Callable[[], list[SentinelResult]]]] = [
             ("label_shift", lambda: [self.label_shift()]),
@@ -335,6 +338,8 @@ class SentinelRunner:
             except BudgetExhausted as exc:
                 results.append(SentinelResult(name, SKIP, str(exc), "-"))
             self.log(f"[sentinels]   {results[-1].name}: {results[-1].verdict} - {results[-1].summary}")
+            if on_progress is not None:
+                on_progress(results, [])
         planted_rows: list[SentinelResult] = []
         if self.profile.loss_floor_plant_steps == 0:
             selftests = [t for t in selftests if t[1] != "loss_floor"]
@@ -347,6 +352,8 @@ class SentinelRunner:
                 row = SentinelResult(target, SKIP, str(exc), "-", planted=label)
             row.planted = label
             planted_rows.append(row)
+            if on_progress is not None:
+                on_progress(results, planted_rows)
             self.log(f"[selftest]   {'TRIPPED' if row.tripped else 'NOT TRIPPED'} ({row.verdict}) - {row.summary}")
         return results, planted_rows
 

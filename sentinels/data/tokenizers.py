@@ -15,8 +15,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import importlib.util
 from pathlib import Path
+
+log = logging.getLogger("sentinels.data")
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + EOS
 GPT2_VOCAB_SIZE = 50257  # 50256 BPE tokens + <|endoftext|>
@@ -111,14 +114,23 @@ class GPT2Tokenizer:
             raise TokenizerUnavailable(f"{encoder_path} holds {len(self.encoder)} tokens, expected {GPT2_VOCAB_SIZE}")
 
     def _build_tiktoken(self):
+        """tiktoken over the same local files, used only if it agrees with the Python BPE on a probe text."""
         try:
             import tiktoken
         except ImportError:
             return None
-        ranks = {bytes(self.char_to_byte[c] for c in token): i for token, i in self.encoder.items()
-                 if token != "<|endoftext|>"}
-        return tiktoken.Encoding(name="gpt2-local", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": self.eos_id})
+        try:
+            ranks = {bytes(self.char_to_byte[c] for c in token): i for token, i in self.encoder.items()
+                     if token != "<|endoftext|>"}
+            enc = tiktoken.Encoding(name="gpt2-local", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
+                                    special_tokens={"<|endoftext|>": self.eos_id})
+            probe = "Hello world! It's 3.14 naïve café 日本語 \n\n  x" * 3
+            if enc.encode_ordinary(probe) != self.encode_python(probe):
+                raise ValueError("tiktoken and the Python BPE disagree on the probe text")
+        except Exception as exc:  # an incompatible tiktoken must not stop a run: the Python BPE is exact
+            log.warning("tokenizer: not using tiktoken (%s: %s); encoding with the Python BPE", type(exc).__name__, exc)
+            return None
+        return enc
 
     @property
     def backend(self) -> str:
