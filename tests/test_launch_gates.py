@@ -142,8 +142,9 @@ def test_conformance_evidence(tmp_path):
 
 def test_sentinels_evidence_checks_the_tested_config(tmp_path):
     check = sentinels_evidence("h1")
-    ok = {"verdict": "PASS", "run_config": {"hash": "h1"}, "sentinels": []}
+    ok = {"profile": "gpu", "verdict": "PASS", "run_config": {"hash": "h1"}, "sentinels": []}
     assert check([write(tmp_path / "a.json", ok)]) is None
+    assert "'cpu' profile" in check([write(tmp_path / "e.json", {**ok, "profile": "cpu"})])
     assert "tested run config h2" in check([write(tmp_path / "b.json", {**ok, "run_config": {"hash": "h2"}})])
     assert "verdict 'FAIL'" in check([write(tmp_path / "c.json", {**ok, "verdict": "FAIL"})])
     assert "no sentinel report" in check([])
@@ -193,3 +194,74 @@ def test_default_gate_commands_call_the_nox_sessions_with_the_config():
     assert sent.name == "sentinels-gpu" and sent.argv == [sys.executable, "-m", "nox", "-s", "sentinels-gpu", "--",
                                                           "--config", "configs/prod-125m.yaml", "-o", "train.lr=0.001"]
     assert REPO / "reports" / "conformance" in conf.report_dirs and REPO / "reports" / "sentinels" in sent.report_dirs
+
+
+# -- a preflight cut off by a time limit, finished with --reuse-passed -----------------------------------------
+def test_killed_preflight_leaves_a_no_go_record_of_the_finished_gates(cfg, tmp_path):
+    from sentinels.launch.gates import run_gate_command
+
+    def runner(gate, log_path):
+        if gate.name == "sentinels-gpu":
+            raise KeyboardInterrupt  # the time limit's SIGINT/SIGTERM arrives during the second GPU gate
+        return run_gate_command(gate, log_path)
+
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}),
+             fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1})]
+    with pytest.raises(KeyboardInterrupt):
+        run_preflight(cfg=cfg, config_path="c.yaml", overrides=[], resume=False, code=CODE, facts=FACTS,
+                      gate_commands=gates, records_dir=tmp_path / "records", runner=runner,
+                      check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None})
+    record = json.loads((tmp_path / "records" / f"{cfg.config_hash()}.json").read_text())
+    assert record["decision"] == NO_GO and record["reasons"] == ["gate sentinels-gpu did not run"]
+    assert [(g["name"], g["verdict"]) for g in record["gates"]][-1] == ("conformance-gpu", "PASS")
+
+
+def test_reuse_passed_runs_only_the_gates_that_did_not_pass(cfg, tmp_path):
+    marker = tmp_path / "conformance-ran"
+    first, _ = preflight(cfg, tmp_path, [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}),
+                                         fake_gate("sentinels-gpu", tmp_path / "rs", exit_code=1)])
+    assert first["decision"] == NO_GO
+    again = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}, marker=marker),
+             fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1})]
+    second, path = run_preflight(cfg=cfg, config_path="c.yaml", overrides=[], resume=False, code=CODE, facts=FACTS,
+                                 gate_commands=again, records_dir=tmp_path / "records", reuse_from=first,
+                                 check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None})
+    assert second["decision"] == GO and not marker.exists()
+    conf = second["gates"][3]
+    assert conf["detail"].startswith("reused (--reuse-passed)") and conf["started_unix"] == first["gates"][3]["started_unix"]
+    assert second["evidence_since_unix"] == conf["started_unix"]
+    assert check_go_record(path, config_hash=cfg.config_hash(), code=CODE).ok
+
+
+@pytest.mark.parametrize("change", ["commit", "digest", "gpu", "torch", "config"])
+def test_reuse_needs_the_same_code_gpus_versions_and_config(cfg, tmp_path, change):
+    from sentinels.launch.gates import reusable_gates
+
+    record, _ = preflight(cfg, tmp_path, [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}),
+                                          fake_gate("sentinels-gpu", tmp_path / "rs", exit_code=1)])
+    now = record["finished_unix"]
+    code, facts, config_hash = CODE, FACTS, cfg.config_hash()
+    assert set(reusable_gates(record, config_hash=config_hash, code=code, facts=facts, now_unix=now)) == \
+        {"conformance-gpu"}
+    if change == "commit":
+        code = CodeIdentity("b" * 40, "git", False, CODE.source_digest)
+    elif change == "digest":
+        code = CodeIdentity(CODE.commit, "git", True, "e" * 64)
+    elif change == "gpu":
+        facts = EnvFacts(FACTS.python, FACTS.torch, FACTS.cuda, FACTS.triton, (GpuFacts(0, "NVIDIA A100", (8, 0)),))
+    elif change == "torch":
+        facts = EnvFacts(FACTS.python, "2.5.0", FACTS.cuda, FACTS.triton, FACTS.gpus)
+    else:
+        config_hash = "0" * 64
+    assert reusable_gates(record, config_hash=config_hash, code=code, facts=facts, now_unix=now) == {}
+
+
+def test_reuse_drops_gates_older_than_the_record_age(cfg, tmp_path):
+    from sentinels.launch import policy
+    from sentinels.launch.gates import reusable_gates
+
+    record, _ = preflight(cfg, tmp_path, [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1})])
+    started = record["gates"][3]["started_unix"]
+    kw = {"config_hash": cfg.config_hash(), "code": CODE, "facts": FACTS}
+    assert "conformance-gpu" in reusable_gates(record, now_unix=started + policy.GO_RECORD_MAX_AGE_S, **kw)
+    assert reusable_gates(record, now_unix=started + policy.GO_RECORD_MAX_AGE_S + 1, **kw) == {}

@@ -27,15 +27,18 @@ def cfg():
     return load_config(REPO / "configs" / "tiny-cpu.yaml").replace(**{"train.steps": 6000, "train.save_every": 600})
 
 
-def gates(**verdicts) -> list[GateResult]:
-    return [GateResult(name, verdicts.get(name.replace("-", "_"), PASS), "detail", NOW - 100, NOW - 50)
+PREFLIGHT_S = 600  # the preflight in these records starts PREFLIGHT_S before it finishes
+
+
+def gates(finished=NOW, **verdicts) -> list[GateResult]:
+    return [GateResult(name, verdicts.get(name.replace("-", "_"), PASS), "detail", finished - 100, finished - 50)
             for name in REQUIRED_GATES]
 
 
 def make_record(cfg, tmp_path, *, gate_results=None, code=CODE, finished=NOW) -> Path:
     record = build_record(cfg=cfg, config_path="configs/x.yaml", overrides=[], resume=False, code=code, env=ENV,
-                          gates=gate_results if gate_results is not None else gates(), started_unix=finished - 600,
-                          finished_unix=finished, host="gpu-host")
+                          gates=gate_results if gate_results is not None else gates(finished),
+                          started_unix=finished - PREFLIGHT_S, finished_unix=finished, host="gpu-host")
     return write_record(record, tmp_path)
 
 
@@ -68,6 +71,7 @@ def test_record_fields(cfg, tmp_path):
     assert all({"verdict", "exit_code", "reports", "started_at", "finished_at", "duration_s"} <= set(g)
                for g in record["gates"])
     assert record["gates"][0]["duration_s"] == 50.0 and record["finished_unix"] == NOW
+    assert record["evidence_since_unix"] == NOW - PREFLIGHT_S
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -91,17 +95,28 @@ def test_no_go_record_refuses_with_its_reasons(cfg, tmp_path):
 @pytest.mark.parametrize("age_s,ok", [(policy.GO_RECORD_MAX_AGE_S, True), (policy.GO_RECORD_MAX_AGE_S + 1, False),
                                       (3 * 24 * 3600, False)])
 def test_stale_record_refuses(cfg, tmp_path, age_s, ok):
-    check = go_check(cfg, make_record(cfg, tmp_path), now=NOW + age_s)
+    """The age counts from the start of the evidence (the preflight's start), not from its end."""
+    check = go_check(cfg, make_record(cfg, tmp_path), now=NOW - PREFLIGHT_S + age_s)
     assert check.ok is ok
     if not ok:
         assert "is stale" in check.reason
 
 
 def test_future_dated_record_refuses(cfg, tmp_path):
-    path = make_record(cfg, tmp_path, finished=NOW + policy.GO_RECORD_MAX_CLOCK_SKEW_S + 60)
+    path = make_record(cfg, tmp_path, finished=NOW + PREFLIGHT_S + policy.GO_RECORD_MAX_CLOCK_SKEW_S + 60)
     check = go_check(cfg, path)
     assert not check.ok and "in the future" in check.reason
-    assert go_check(cfg, make_record(cfg, tmp_path, finished=NOW + 10)).ok  # small skew is tolerated
+    assert go_check(cfg, make_record(cfg, tmp_path, finished=NOW + PREFLIGHT_S + 10)).ok  # small skew is tolerated
+
+
+def test_age_counts_from_the_oldest_gate(cfg, tmp_path):
+    """A gate reused from an earlier preflight (--reuse-passed) keeps its start time, and the record ages with it."""
+    results = gates(NOW)
+    results[3] = GateResult("conformance-gpu", PASS, "reused", NOW - 20 * 3600, NOW - 19.9 * 3600, exit_code=0)
+    path = make_record(cfg, tmp_path, gate_results=results)
+    assert go_check(cfg, path, now=NOW + 3 * 3600).ok
+    check = go_check(cfg, path, now=NOW + 4.1 * 3600)
+    assert not check.ok and "oldest gate started 24.1 h ago" in check.reason
 
 
 def test_mismatched_commit_refuses(cfg, tmp_path):
@@ -208,7 +223,7 @@ def test_long_run_with_valid_record_is_allowed_without_override(cfg, tmp_path):
 def test_long_run_with_stale_record_is_refused(cfg, tmp_path):
     make_record(cfg, tmp_path)
     auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE,
-                              now_unix=NOW + policy.GO_RECORD_MAX_AGE_S + 1)
+                              now_unix=NOW - PREFLIGHT_S + policy.GO_RECORD_MAX_AGE_S + 1)
     assert not auth.allowed and "stale" in auth.reason
 
 

@@ -8,6 +8,7 @@ config, NO-GO, or refused launch; 2 bad arguments or an unreadable config.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -46,7 +47,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     from .gates import default_gate_commands, format_record, run_preflight
-    from .gonogo import GO, RECORDS_DIR
+    from .gonogo import GO, RECORDS_DIR, record_path
     from .preflight import check_config, format_resolved
 
     cfg = load_config(args.config, args.override)
@@ -54,8 +55,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     facts = collect_env_facts()
     print(format_verdict(check_env(facts)), flush=True)
     print(format_resolved(cfg, check_config(cfg, gpu_visible=bool(facts.gpus), resume=args.resume)), flush=True)
+    previous = None
+    if args.reuse_passed and record_path(cfg.config_hash(), RECORDS_DIR).is_file():
+        previous = json.loads(record_path(cfg.config_hash(), RECORDS_DIR).read_text())
     record, path = run_preflight(cfg=cfg, config_path=args.config, overrides=args.override, resume=args.resume,
-                                 code=code, facts=facts, records_dir=RECORDS_DIR,
+                                 code=code, facts=facts, records_dir=RECORDS_DIR, reuse_from=previous,
                                  gate_commands=default_gate_commands(args.config, args.override, cfg.config_hash()))
     print(format_record(record, path))
     return 0 if record["decision"] == GO else 1
@@ -93,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("preflight", help="all gates, then reports/preflight/<config-hash>.json (GO/NO-GO)")
     _config_args(pre)
     _commit_arg(pre)
+    pre.add_argument("--reuse-passed", action="store_true",
+                     help="keep the PASS GPU gates of this config's existing record (same commit, sources, GPUs, "
+                          "versions; started < 24 h ago) and run only the others: finishes a preflight that was "
+                          "cut off by a time limit")
     pre.set_defaults(func=cmd_preflight)
     launch = sub.add_parser("launch", help="start the trainer with torchrun if a fresh GO record allows it")
     _config_args(launch)

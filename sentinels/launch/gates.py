@@ -22,7 +22,8 @@ from typing import Callable
 from ..config import RunConfig
 from .code import REPO_ROOT, CodeIdentity
 from .env import EnvFacts, check_env
-from .gonogo import FAIL, PASS, SKIP, GateResult, build_record, write_record
+from . import policy
+from .gonogo import FAIL, PASS, SKIP, GateResult, build_record, utc_iso, write_record
 from .preflight import check_config
 
 LOG_TAIL_LINES = 40
@@ -70,11 +71,13 @@ def conformance_evidence(reports: list[Path]) -> str | None:
 
 def sentinels_evidence(config_hash: str) -> Callable[[list[Path]], str | None]:
     def check(reports: list[Path]) -> str | None:
-        """A sentinel report (sentinels/report.py) with verdict PASS whose run config is the one to launch."""
+        """A GPU-profile sentinel report (sentinels/report.py), verdict PASS, whose run config is the one to launch."""
         found = [(p, d) for p in reports if (d := _load(p)) is not None and "sentinels" in d]
         if not found:
             return "it wrote no sentinel report (reports/sentinels/*.json)"
         for path, data in found:
+            if data.get("profile") != "gpu":
+                return f"{path} is a sentinel report of the {data.get('profile')!r} profile, not 'gpu'"
             tested = (data.get("run_config") or {}).get("hash")
             if tested != config_hash:
                 return f"{path} tested run config {tested}, not the config to launch ({config_hash})"
@@ -134,18 +137,45 @@ def run_gate_command(gate: GateCommand, log_path: Path, *, cwd: Path = REPO_ROOT
                       reports=[str(p) for p in reports], log=str(log_path))
 
 
+def reusable_gates(previous: dict | None, *, config_hash: str, code: CodeIdentity, facts: EnvFacts,
+                   now_unix: float) -> dict[str, GateResult]:
+    """PASS subprocess gates of an earlier record that still vouch for this preflight: same config hash, commit,
+    source digest, GPUs and versions, and started less than policy.GO_RECORD_MAX_AGE_S ago."""
+    if not previous:
+        return {}
+    env = facts.as_dict()
+    try:
+        same = (previous["config_hash"] == config_hash and previous["code"]["commit"] == code.commit
+                and previous["code"]["source_digest"] == code.source_digest and previous["gpus"] == env["gpus"]
+                and previous["versions"] == {k: env[k] for k in ("python", "torch", "cuda", "triton")})
+        gates = [GateResult.from_dict(g) for g in previous["gates"]] if same else []
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return {}
+    return {g.name: g for g in gates if g.verdict == PASS and g.exit_code is not None
+            and now_unix - g.started_unix <= policy.GO_RECORD_MAX_AGE_S}
+
+
 def _in_process(name: str, ok: bool, detail: str, started: float) -> GateResult:
     return GateResult(name, PASS if ok else FAIL, detail, started, time.time())
 
 
 def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], resume: bool, code: CodeIdentity,
                   facts: EnvFacts, gate_commands: list[GateCommand], records_dir: Path,
-                  cwd: Path | None = None, check_config_kwargs: dict | None = None,
+                  cwd: Path | None = None, check_config_kwargs: dict | None = None, reuse_from: dict | None = None,
                   runner: Callable[[GateCommand, Path], GateResult] | None = None) -> tuple[dict, Path]:
-    """Run the gates in order (SKIP after the first failure), write the record, return (record, path)."""
+    """Run the gates in order (SKIP after the first failure) and return (record, path). The record is rewritten
+    after every gate, so a preflight killed mid-way leaves a NO-GO record of the gates it finished; with
+    `reuse_from` (the previous record, --reuse-passed) its still-valid PASS subprocess gates are not run again."""
     started = time.time()
     config_hash = cfg.config_hash()
     gates: list[GateResult] = []
+    reusable = reusable_gates(reuse_from, config_hash=config_hash, code=code, facts=facts, now_unix=started)
+
+    def save() -> Path:
+        record = build_record(cfg=cfg, config_path=config_path, overrides=overrides, resume=resume, code=code,
+                              env=facts.as_dict(), gates=gates, started_unix=started, finished_unix=time.time(),
+                              host=platform.node())
+        return write_record(record, records_dir)
 
     t0 = time.time()
     if code.commit is None:
@@ -168,17 +198,20 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
 
     run = runner or (lambda gate, log_path: run_gate_command(gate, log_path, cwd=cwd or REPO_ROOT))
     for gate in gate_commands:
+        save()
         if any(g.verdict != PASS for g in gates):
             now = time.time()
             gates.append(GateResult(gate.name, SKIP, "not run: an earlier gate failed", now, now,
                                     command=gate.argv))
-            continue
-        gates.append(run(gate, records_dir / f"{config_hash}.{gate.name}.log"))
+        elif gate.name in reusable:
+            old = reusable[gate.name]
+            old.detail = f"reused (--reuse-passed) from the run started {utc_iso(old.started_unix)}: {old.detail}"
+            gates.append(old)
+        else:
+            gates.append(run(gate, records_dir / f"{config_hash}.{gate.name}.log"))
 
-    record = build_record(cfg=cfg, config_path=config_path, overrides=overrides, resume=resume, code=code,
-                          env=facts.as_dict(), gates=gates, started_unix=started, finished_unix=time.time(),
-                          host=platform.node())
-    path = write_record(record, records_dir)
+    path = save()
+    record = json.loads(path.read_text())
     if os.environ.get("OUT"):  # GPU hosts hand results back through $OUT
         copy_dir = Path(os.environ["OUT"]) / "reports" / "preflight"
         copy_dir.mkdir(parents=True, exist_ok=True)

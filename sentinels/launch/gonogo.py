@@ -4,7 +4,7 @@ A record (reports/preflight/<config-hash>.json) holds the decision, the code ide
 digest, code.py), the config hash, the GPUs and versions, and one entry per gate with its verdict, exit code,
 report paths and timestamps. The decision is GO only when every required gate passed. A record authorizes a
 launch only when it is GO, names the same config hash, the same commit and the same source digest as the code
-about to run, and is younger than policy.GO_RECORD_MAX_AGE_S.
+about to run, and its oldest gate started less than policy.GO_RECORD_MAX_AGE_S ago.
 """
 
 from __future__ import annotations
@@ -54,7 +54,15 @@ class GateResult:
         return {"name": self.name, "verdict": self.verdict, "detail": self.detail, "exit_code": self.exit_code,
                 "command": self.command, "reports": self.reports, "log": self.log,
                 "started_at": utc_iso(self.started_unix), "finished_at": utc_iso(self.finished_unix),
-                "duration_s": round(self.finished_unix - self.started_unix, 3)}
+                "duration_s": round(self.finished_unix - self.started_unix, 3),
+                "started_unix": self.started_unix, "finished_unix": self.finished_unix}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GateResult":
+        return cls(name=data["name"], verdict=data["verdict"], detail=data["detail"],
+                   started_unix=float(data["started_unix"]), finished_unix=float(data["finished_unix"]),
+                   exit_code=data.get("exit_code"), command=data.get("command"), reports=list(data.get("reports", [])),
+                   log=data.get("log"))
 
 
 def decide(gates: list[GateResult]) -> tuple[str, list[str]]:
@@ -86,6 +94,8 @@ def build_record(*, cfg: RunConfig, config_path: str, overrides: list[str], resu
         "started_at": utc_iso(started_unix),
         "finished_at": utc_iso(finished_unix),
         "finished_unix": finished_unix,
+        # the oldest gate's start (gates reused by --reuse-passed keep theirs): the record's age counts from here
+        "evidence_since_unix": min([g.started_unix for g in gates] + [started_unix]),
         "max_age_s": policy.GO_RECORD_MAX_AGE_S,
     }
 
@@ -122,7 +132,7 @@ def check_go_record(path: Path, *, config_hash: str, code: CodeIdentity, now_uni
     try:
         record = json.loads(path.read_text())
         decision, gates = record["decision"], record["gates"]
-        rec_hash, rec_code, finished = record["config_hash"], record["code"], float(record["finished_unix"])
+        rec_hash, rec_code, since = record["config_hash"], record["code"], float(record["evidence_since_unix"])
         verdicts = {g["name"]: g["verdict"] for g in gates}
         rec_commit, rec_digest = rec_code.get("commit"), rec_code.get("source_digest")
         if record.get("schema") != policy.RECORD_SCHEMA:
@@ -144,12 +154,12 @@ def check_go_record(path: Path, *, config_hash: str, code: CodeIdentity, now_uni
     if rec_digest != code.source_digest:
         return refuse(f"{path} was made for other source files (digest {rec_digest}, this "
                       f"tree {code.source_digest}): re-run the preflight", record)
-    age = now_unix - finished
+    age = now_unix - since
     if age < -policy.GO_RECORD_MAX_CLOCK_SKEW_S:
-        return refuse(f"{path} is dated {-age:.0f} s in the future (finished {utc_iso(finished)}): check the clock",
-                      record)
+        return refuse(f"{path} is dated {-age:.0f} s in the future (its gates started {utc_iso(since)}): check the "
+                      f"clock", record)
     if age > max_age_s:
-        return refuse(f"{path} is stale: {age / 3600:.1f} h old, a GO record is valid for "
+        return refuse(f"{path} is stale: its oldest gate started {age / 3600:.1f} h ago, a GO record is valid for "
                       f"{max_age_s / 3600:.1f} h; re-run the preflight", record)
     return GoCheck(True, f"GO record {path} ({age / 3600:.1f} h old, commit {rec_commit})", path, record)
 
