@@ -133,8 +133,10 @@ def test_module_equals_the_reference_module(impl, preset, device, low_dtype, rec
         record_metric("float64", err / tol)
         assert err <= tol, f"module output differs from reference.NSAAttention at offset {offset}: {err:.3g}"
         m_low, ref_low = copy.deepcopy(m).to(low_dtype), copy.deepcopy(ref).to(low_dtype)
+        oracle = copy.deepcopy(ref_low).to(torch.float64)  # float64 on the same rounded weights and inputs
+        x_low = x.to(low_dtype)
         with torch.no_grad():
-            ratio = error_ratio(m_low(x.to(device=device, dtype=low_dtype), position_offset=offset),
-                                ref_low(x.to(low_dtype), position_offset=offset), want)
+            ratio = error_ratio(m_low(x_low.to(device), position_offset=offset), ref_low(x_low, position_offset=offset),
+                                oracle(x_low.to(torch.float64), position_offset=offset))
         record_metric(f"error_ratio_{str(low_dtype).replace('torch.', '')}", ratio)
         assert ratio <= 1, f"module in {low_dtype} at offset {offset}: error ratio {ratio:.3g} > 1"

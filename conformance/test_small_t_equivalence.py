@@ -41,7 +41,8 @@ def check_against_dense(what: str, candidate, dense, x, low_dtype, device, recor
     record_metric("float64", err / tol)
     assert err <= tol, f"{what} (float64) differs from dense attention: max error {err:.3g} > {tol:.3g}"
     low = x.to(dtype=low_dtype)
-    ratio = error_ratio(candidate(low.to(device=device)), dense(low.to(device="cpu")), want64)
+    oracle = dense(low.to(dtype=torch.float64, device="cpu"))  # float64 on the same (rounded) inputs
+    ratio = error_ratio(candidate(low.to(device=device)), dense(low.to(device="cpu")), oracle)
     record_metric(f"error_ratio_{str(low_dtype).replace('torch.', '')}", ratio)
     assert ratio <= 1, f"{what} in {low_dtype}: error ratio {ratio:.3g} > 1 against dense attention"
 

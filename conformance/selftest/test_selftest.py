@@ -3,7 +3,7 @@
 Each variant in conformance/selftest/variants plants one bug into `optimized`. The suite runs on it in a fresh
 subprocess (`pytest -x` on the property modules the catalog names, stopping at the first failure) and must
 report at least one property FAIL caused by an assertion (a crash does not count as caught). The control:
-the unbroken `optimized` passes every property module, with its metrics compared to the committed baseline
+the unbroken `optimized` passes those property modules, with its metrics compared to the committed baseline
 (reports/baselines/conformance.json).
 
 With --report-dir, the table of variants (what was caught, by which test) is written there as selftest.json
@@ -60,17 +60,20 @@ def test_broken_variant_is_caught(variant, tmp_path):
         f"{[f for p in failed for f in p['failures']]}):\n{tail(proc)}")
 
 
-def test_unbroken_optimized_passes_every_property(tmp_path):
-    """Control: optimized passes all property modules and its metrics stay within the committed baseline."""
-    proc, report = run_suite("optimized", ["conformance", "--properties-only"], tmp_path, stop_at_first_failure=False,
+def test_unbroken_optimized_passes_the_catching_properties(tmp_path):
+    """Control: the property modules that catch the variants all PASS on the unbroken optimized (otherwise a
+    variant's FAIL would prove nothing), with metrics within the committed baseline. The full verdict of
+    optimized is `nox -s conformance`'s job."""
+    modules = sorted({m for ms in CATALOG.values() for m in ms})
+    proc, report = run_suite("optimized", modules, tmp_path, stop_at_first_failure=False,
                              baseline=str(ROOT / "reports" / "baselines" / "conformance.json"))
     assert report is not None, f"no report (exit {proc.returncode}):\n{tail(proc)}"
     bad = {p["property"]: p["failures"] + p["baseline_regressions"] for p in report["properties"]
            if p["verdict"] != "PASS"}
-    RESULTS["(unbroken optimized)"] = {"modules": ["conformance --properties-only"], "exit": proc.returncode,
-                                       "caught_by": None, "failure": None, "verdicts": {
-                                           p["property"]: p["verdict"] for p in report["properties"]}}
-    assert proc.returncode == 0 and not bad, f"optimized does not pass the suite: {bad}\n{tail(proc)}"
+    RESULTS["(unbroken optimized)"] = {"modules": modules, "exit": proc.returncode, "caught_by": None,
+                                       "failure": None,
+                                       "verdicts": {p["property"]: p["verdict"] for p in report["properties"]}}
+    assert proc.returncode == 0 and not bad, f"optimized does not pass the catching properties: {bad}\n{tail(proc)}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -89,7 +92,7 @@ def write_selftest_table(request):
     for name, r in sorted(RESULTS.items()):
         if name.startswith("("):
             verdicts = ", ".join(f"{k}: {v}" for k, v in r["verdicts"].items())
-            lines.append(f"| {name} | all property modules | control (must pass) | - | {verdicts} |")
+            lines.append(f"| {name} | the modules above | control (must pass) | - | {verdicts} |")
             continue
         first = (r["failure"] or "").split(" (call)")[0]
         lines.append(f"| {name} | {', '.join(m.split('/')[-1] for m in r['modules'])} | "
