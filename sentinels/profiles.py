@@ -29,9 +29,9 @@ class Profile:
     watchdog_plant_steps: int = 30
     label_shift_batches: int = 8
     eval_batches: int = 8
-    loss_floor_plant_steps: int = 0  # steps of the planted kv_next_token leak on real text (0 = not run; see
-    #                                   docs/sentinels.md: a window's last label is never visible, which bounds
-    #                                   the leaky loss near ln(V)/seq_len, above the floor at CPU sizes)
+    loss_floor_plant: dict = field(default_factory=dict)  # overrides of the probe config for the planted
+    #   kv_next_token leak on real text ({} = not run). A window's last label is never visible, so the leaky loss
+    #   stays near ln(V)/seq_len: the plant needs a long seq_len (docs/sentinels.md)
     budget_s: float = 300.0  # wall-clock budget of the whole profile (runs stop when it is spent)
     run_cap_s: float = 120.0  # wall-clock cap of one training run (it stops, and its verdict says so)
     cpu_threads: int | None = None  # torch intra-op threads (tiny CPU models run faster on one thread, and
@@ -62,13 +62,14 @@ PROFILES = {
         device="cuda",
         precision="bf16",
         random_label={"train.steps": 200, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
-                      "train.warmup_steps": 20, "data.synthetic.vocab_size": 512},
+                      "train.warmup_steps": 20, "data.synthetic.vocab_size": 64},
         long_range={"train.steps": 200, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
         real_text={"train.steps": 200, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 20},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
-        loss_floor_plant_steps=200,
+        loss_floor_plant={"train.steps": 300, "train.micro_batch_size": 4, "train.seq_len": 2048, "train.lr": 3e-3,
+                          "train.warmup_steps": 10},
         budget_s=480.0,
         run_cap_s=55.0,
     ),

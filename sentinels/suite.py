@@ -102,7 +102,10 @@ class SentinelRunner:
 
     @staticmethod
     def _cut(result: TrainResult, cfg: RunConfig) -> str:
-        return "" if result.steps_done >= cfg.train.steps else f" (cut at step {result.steps_done}: {result.halt_reason})"
+        """A note when the run stopped early for another reason than a monitor's own halt."""
+        if result.steps_done >= cfg.train.steps or (result.halt_reason or "").startswith("loss_floor"):
+            return ""
+        return f" (cut at step {result.steps_done}: {result.halt_reason})"
 
     @torch.no_grad()
     def _evaluate(self, trainer: Trainer, cfg: RunConfig, n_batches: int) -> dict[str, float]:
@@ -213,10 +216,13 @@ class SentinelRunner:
 
     def real_text(self, *, leak: str = "none", gate_override: str = "none", steps: int | None = None,
                   planted: str | None = None, step_hook=None, slow_data_after: int | None = None,
-                  synthetic: bool = False) -> list[SentinelResult]:
-        """One training run of the run model on real text -> loss_floor, gate_collapse, watchdog verdicts."""
+                  synthetic: bool = False, base: str = "run", overrides: dict | None = None) -> list[SentinelResult]:
+        """One training run on real text -> loss_floor, gate_collapse, watchdog verdicts. base: "run" (the
+        config under test, with profile.real_text) or "probe" (the probe model, with `overrides`); synthetic:
+        uniform tokens on the probe model instead (planted faults that need no text)."""
         t0 = time.monotonic()
-        overrides = {**self.profile.real_text, "model.debug.leak": leak, "model.debug.gate_override": gate_override}
+        overrides = {**(self.profile.real_text if overrides is None else overrides), "model.debug.leak": leak,
+                     "model.debug.gate_override": gate_override}
         if steps is not None:
             overrides["train.steps"] = steps
             overrides["train.warmup_steps"] = min(overrides.get("train.warmup_steps", 0), steps)
@@ -232,8 +238,8 @@ class SentinelRunner:
                 return [SentinelResult(name, SKIP, "no real-text corpus (run `python -m sentinels prepare wiki` or "
                                        "install gensim)", "-", planted=planted)
                         for name in ("loss_floor", "gate_collapse", "watchdog")]
-            base = self.run_config
             overrides.update({"data.source": "jsonl", "data.paths": [str(self.corpus)]})
+            base = self.run_config if base == "run" else self.probe_config
         cfg = self._config(base, overrides)
         batch_source = None
         if slow_data_after is not None:
@@ -315,7 +321,7 @@ class SentinelRunner:
                 ("leak: cmp_block_early", "random_label",
                  lambda: [self.random_label(leak="cmp_block_early", planted="cmp_block_early")]),
                 ("leak: kv_next_token on real text", "loss_floor",
-                 lambda: self.real_text(leak="kv_next_token", steps=self.profile.loss_floor_plant_steps,
+                 lambda: self.real_text(leak="kv_next_token", base="probe", overrides=self.profile.loss_floor_plant,
                                         planted="kv_next_token")),
                 ("labels misaligned", "label_shift",
                  lambda: [self.label_shift(make_batch=misaligned_batch, planted="labels == inputs")]),
@@ -341,7 +347,7 @@ class SentinelRunner:
             if on_progress is not None:
                 on_progress(results, [])
         planted_rows: list[SentinelResult] = []
-        if self.profile.loss_floor_plant_steps == 0:
+        if not self.profile.loss_floor_plant:
             selftests = [t for t in selftests if t[1] != "loss_floor"]
         for label, target, fn in selftests:
             self.log(f"[selftest] {label} -> must trip {target} ...")
