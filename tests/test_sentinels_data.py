@@ -326,3 +326,78 @@ def test_uniform_tokens_have_entropy_ln_v():
     p = counts / counts.sum()
     entropy = float(-(p * p.log()).sum())
     assert abs(entropy - math.log(16)) < 0.01
+
+
+# ------------------------------------------------------------------------------------ fineweb / prepare
+def test_fineweb_opener_shuffles_shards_and_skips_through_datasets(monkeypatch):
+    """The real opener's calls into `datasets`, recorded by a stand-in module (no network here)."""
+    import sys
+    import types
+
+    from sentinels.data.sources import fineweb_opener
+
+    calls = []
+
+    class FakeStream:
+        def __init__(self, records):
+            self.records = records
+
+        def shuffle(self, seed, buffer_size):
+            calls.append(("shuffle", seed, buffer_size))
+            return FakeStream(list(reversed(self.records)))
+
+        def skip(self, n):
+            calls.append(("skip", n))
+            return FakeStream(self.records[n:])
+
+        def __iter__(self):
+            return iter(self.records)
+
+    def load_dataset(name, subset, split, streaming):
+        calls.append(("load", name, subset, split, streaming))
+        return FakeStream([{"text": f"doc {i}"} for i in range(10)])
+
+    def split_dataset_by_node(ds, rank, world_size):
+        calls.append(("split", rank, world_size))
+        return FakeStream(ds.records[rank::world_size])
+
+    datasets = types.ModuleType("datasets")
+    datasets.load_dataset = load_dataset
+    distributed = types.ModuleType("datasets.distributed")
+    distributed.split_dataset_by_node = split_dataset_by_node
+    monkeypatch.setitem(sys.modules, "datasets", datasets)
+    monkeypatch.setitem(sys.modules, "datasets.distributed", distributed)
+
+    opener = fineweb_opener("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", seed=7, shuffle_buffer=100,
+                            shard=ShardSpec.for_rank(1, 2, worker=0, workers=2))
+    records = list(opener(1))
+    assert calls == [("load", "HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True), ("shuffle", 7, 100),
+                     ("split", 2, 4), ("skip", 1)]
+    assert [r["text"] for r in records] == ["doc 3"]  # reversed 9..0, shard 2 of 4 = [7, 3], skip 1
+
+
+def test_prepare_text_makes_one_document_per_paragraph(tmp_path):
+    from sentinels.data.prepare import prepare_text
+
+    src = tmp_path / "a.txt"
+    src.write_text("First  paragraph\nstill first.\n\n\nSecond paragraph.\n")
+    info = prepare_text([src], tmp_path / "out.jsonl")
+    docs = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert info["documents"] == 2
+    assert [d["text"] for d in docs] == ["First paragraph\nstill first.", "Second paragraph."]
+
+
+def test_prepare_wiki_from_the_gensim_excerpt(tmp_path):
+    pytest.importorskip("gensim")
+    from sentinels.data.prepare import prepare_wiki
+
+    info = prepare_wiki(tmp_path / "wiki.jsonl")
+    docs = [json.loads(line) for line in (tmp_path / "wiki.jsonl").read_text().splitlines()]
+    assert info["documents"] == len(docs) >= 50
+    assert all(len(d["text"]) >= 500 and not d["text"].upper().startswith("#REDIRECT") for d in docs)
+    assert all(d["license"].startswith("CC BY-SA") and d["title"] for d in docs)
+    assert any(d["title"] == "Anarchism" for d in docs)
+    # the prepared corpus feeds the pipeline
+    corpus = LocalCorpus([str(tmp_path / "wiki.jsonl")], "jsonl")
+    docs_stream = LocalDocuments(corpus, 0, ShardSpec(0, 1))
+    assert len(docs_stream.next_text()) >= 500 and docs_stream.quality.skipped == 0
