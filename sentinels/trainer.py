@@ -44,6 +44,7 @@ from .data.sources import ShardSpec
 from .data.tokenizers import get_tokenizer
 from .model import NSALanguageModel, build_model, count_parameters, lm_loss
 from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
+from .launch.gonogo import authorize_training
 from .telemetry import ProgressBar, Telemetry
 
 log = logging.getLogger("sentinels.train")
@@ -215,8 +216,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, synthetic_on_fail: bool = False,
                  batch_source: Any = None, step_hook: Callable[["Trainer", int], None] | None = None,
                  console: bool = True, extra_metadata: dict[str, Any] | None = None,
-                 save_checkpoints: bool = True):
+                 save_checkpoints: bool = True, i_know_what_im_doing: bool = False):
         self.cfg = cfg
+        # The launch gate (docs/runbook.md): >= 5000 steps need a valid GO record, or the logged override.
+        self.launch_authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing)
+        if not self.launch_authorization.allowed:
+            raise TrainerError(self.launch_authorization.reason)
         self.save_checkpoints = save_checkpoints
         self.run_dir = Path(cfg.train.out_dir)
         self.requested_device = cfg.train.device
@@ -241,6 +246,11 @@ class Trainer:
         if not resume and ckpt_path is not None:
             raise TrainerError(f"{self.run_dir} already holds checkpoints: pass --resume to continue it, or choose "
                                f"another train.out_dir")
+        stale_halt = self.run_dir / HALT_FILE
+        if self.dist.is_main and stale_halt.exists():  # left by the stop this run resumes from
+            log.warning("removing %s from a previous stop before starting", stale_halt)
+            stale_halt.unlink()
+        self._barrier()
 
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
@@ -317,6 +327,7 @@ class Trainer:
             "attention_class": f"{type(self.model.blocks[0].attn.inner).__module__}."
                                f"{type(self.model.blocks[0].attn.inner).__name__}",
             "resumed_from": resumed_from,
+            "launch_authorization": self.launch_authorization.metadata,
             "start_step": self.start_step,
             "argv": sys.argv,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -126,6 +126,8 @@ def test_halt_file_stops_after_a_checkpoint(tmp_path):
     _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=plant_halt)
     assert result.status == "halted" and result.steps_done == 3 and ".HALT" in result.halt_reason
     assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 3
+    _, resumed = _train(_cfg(tmp_path, "train.save_every=100"), resume=True)  # the stale .HALT is removed
+    assert resumed.status == "completed" and resumed.steps_done == 8 and not (tmp_path / ".HALT").exists()
 
 
 def test_sigterm_stops_after_a_checkpoint(tmp_path):
@@ -200,7 +202,8 @@ def _run_cli(args, **kwargs):
 def test_cli_train_sigusr1_dumps_stacks_and_sigterm_stops_cleanly(tmp_path):
     out = tmp_path / "run"
     proc = _run_cli(["-m", "sentinels", "train", "--config", str(TINY), "-o", f"train.out_dir={out}",
-                     "-o", "train.steps=100000", "-o", "train.save_every=0", "-o", "train.warmup_steps=1"])
+                     "-o", "train.steps=100000", "-o", "train.save_every=0", "-o", "train.warmup_steps=1",
+                     "--i-know-what-im-doing"])  # a long run without a GO record (docs/runbook.md)
     try:
         deadline = time.monotonic() + 60
         beat = out / "heartbeat.jsonl"
