@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conformance.adapters import load_impl
+from conformance.strategies import CPU_SIZES, CUDA_SIZES, use_sizes
 from conformance.verdict import VerdictPlugin, run_info
 from reference.config import PRESETS, NSAConfig
 
@@ -58,6 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
         name = load_impl(config.getoption("--impl")).name
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
+    use_sizes(CUDA_SIZES if torch.device(config.getoption("--device")).type == "cuda" else CPU_SIZES)
     plugin = VerdictPlugin(config, run_info(config, name))
     config.pluginmanager.register(plugin, "nsa-verdict")
 

@@ -9,10 +9,38 @@ selection boundaries. The example budget comes from the hypothesis profile (root
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hypothesis import note
 from hypothesis import strategies as st
 
 from reference.config import NSAConfig
+
+
+@dataclass(frozen=True)
+class SizeSet:
+    """The small sizes the strategies draw from (d_k != d_v stays possible in every set)."""
+
+    strides: tuple[int, ...]  # d
+    groups: tuple[int, ...]  # query heads per KV head
+    head_dims_qk: tuple[int, ...]
+    head_dims_v: tuple[int, ...]
+
+
+CPU_SIZES = SizeSet(strides=(1, 2, 4), groups=(1, 2, 3), head_dims_qk=(2, 4), head_dims_v=(2, 3))
+# On CUDA the Triton kernels compile once per (group, d_k, d_v, l', dtype): fewer shapes keep the GPU run's
+# JIT time to about a minute.
+CUDA_SIZES = SizeSet(strides=(2, 4), groups=(1, 2), head_dims_qk=(4,), head_dims_v=(2,))
+_sizes = {"current": CPU_SIZES}
+
+
+def use_sizes(sizes: SizeSet) -> None:
+    """Select the size set (conformance/conftest.py does, from --device)."""
+    _sizes["current"] = sizes
+
+
+def current_sizes() -> SizeSet:
+    return _sizes["current"]
 
 
 def equal_blocks(preset: NSAConfig) -> bool:
@@ -23,7 +51,8 @@ def equal_blocks(preset: NSAConfig) -> bool:
 def configs(draw: st.DrawFn, preset: NSAConfig, *, max_blocks: int = 4, max_window: int = 12,
             phi: str | None = None) -> NSAConfig:
     """A small valid NSAConfig with the preset's conventions (phi overridable, e.g. "avg" for phi-free checks)."""
-    d = draw(st.sampled_from([1, 2, 4]))
+    sizes = _sizes["current"]
+    d = draw(st.sampled_from(sizes.strides))
     if equal_blocks(preset):
         l = lp = d
     else:
@@ -33,11 +62,11 @@ def configs(draw: st.DrawFn, preset: NSAConfig, *, max_blocks: int = 4, max_wind
     n_local = draw(st.integers(0, 2))
     n_sel = draw(st.integers(max(1, n_init + n_local), n_init + n_local + 3))
     n_kv = draw(st.integers(1, 2))
-    group = draw(st.integers(1, 3))
+    group = draw(st.sampled_from(sizes.groups))
     return preset.replace(
         cmp_block=l, cmp_stride=d, sel_block=lp, n_sel=n_sel, n_init=n_init, n_local=n_local,
         window=draw(st.integers(1, max_window)), n_heads=n_kv * group, n_kv_heads=n_kv,
-        head_dim_qk=draw(st.sampled_from([2, 4])), head_dim_v=draw(st.sampled_from([2, 3])),
+        head_dim_qk=draw(st.sampled_from(sizes.head_dims_qk)), head_dim_v=draw(st.sampled_from(sizes.head_dims_v)),
         phi=phi or preset.phi,
     )
 

@@ -281,6 +281,7 @@ class VerdictPlugin:
                  f"- implementation: `{payload['impl_spec']}`", f"- preset: `{payload['preset']}` "
                  f"(sizes drawn small by the strategies; conventions as below)",
                  f"- preset conventions: `{json.dumps(payload['preset_config'])}`",
+                 f"- sizes drawn by the strategies: `{json.dumps(payload['strategy_sizes'])}`",
                  f"- hypothesis profile: `{payload['hypothesis_profile']}`; torch {payload['torch']}; "
                  f"python {payload['python']}; {payload['date']}",
                  f"- {payload['baseline']}", "",
@@ -326,8 +327,11 @@ def _round(x: float) -> float:
 
 
 def run_info(config: pytest.Config, impl_name: str) -> dict[str, Any]:
+    import dataclasses
+
     import torch
 
+    from conformance.strategies import current_sizes
     from reference.config import NSAConfig
 
     preset = config.getoption("--preset")
@@ -338,6 +342,7 @@ def run_info(config: pytest.Config, impl_name: str) -> dict[str, Any]:
         "dtype": config.getoption("--dtype"),
         "preset": preset,
         "preset_config": NSAConfig.preset(preset).to_dict(),
+        "strategy_sizes": dataclasses.asdict(current_sizes()),
         "hypothesis_profile": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
         "torch": torch.__version__,
         "python": platform.python_version(),
