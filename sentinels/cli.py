@@ -38,6 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.override)
     try:
         trainer = Trainer(cfg, resume=args.resume, synthetic_on_fail=args.synthetic_on_fail,
+                          i_know_what_im_doing=args.i_know_what_im_doing,
                           extra_metadata={"config_path": str(args.config), "overrides": args.override})
     except TrainerError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True)
     train.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.out_dir")
+    train.add_argument("--i-know-what-im-doing", action="store_true",
+                       help="start a run of >= 5000 steps without a valid GO record (docs/runbook.md); the override "
+                            "is logged and written into metadata.json")
     train.add_argument("--synthetic-on-fail", action="store_true",
                        help="if the data source fails, continue on synthetic tokens (logged loudly)")
     train.set_defaults(func=cmd_train)
