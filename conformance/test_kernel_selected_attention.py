@@ -178,13 +178,14 @@ def test_backward_gradients_do_not_inherit_the_rounding_of_o(name: str) -> None:
     """D = sum_s P_s dP_s (softmax backward of Eq. 12). FlashAttention's shortcut D = rowsum(dO * O) inherits
     O's rounding (on the GPU O is stored in bf16, and the forward feeds P to P V in bf16), which leaves
     sum_s dS_s != 0 and a systematic dq error D_err * sum_s P_s k_s. Fed an fp32 run's o rounded to bf16,
-    the fp32 backward must still meet the error-ratio rule (before D was made consistent: ratios ~1e3)."""
+    the fp32 backward's dq and dk (dv does not use D) must still meet the error-ratio rule (before D was made
+    consistent: ratios ~1e3)."""
     case = CASES[name]
     q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=5)
     idx = perturbed_indices(case, seed=3).to(DEVICE)
     scale = 1.0 / math.sqrt(case.dk)
     o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
-    do = torch.randn_like(o)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     got = bwd_module.selected_attention_backward(q, k, v, idx, o.bfloat16().float(), stats, do, case.sel_block,
                                                  scale)
 
@@ -192,7 +193,7 @@ def test_backward_gradients_do_not_inherit_the_rounding_of_o(name: str) -> None:
         leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
         return torch.autograd.grad(selected_attention_naive(*leaves, idx, case.sel_block), leaves, do.to(dtype))
 
-    for label, g, low, exact in zip(("dq", "dk", "dv"), got, grads(torch.float32), grads(torch.float64)):
+    for label, g, low, exact in zip(("dq", "dk"), got, grads(torch.float32), grads(torch.float64)):
         assert error_ratio(g, low, exact) <= 1.0, label
 
 
