@@ -119,10 +119,13 @@ def test_unknown_commit_is_no_go(cfg, tmp_path):
     assert record["decision"] == NO_GO
 
 
-def test_record_is_copied_to_out_when_set(cfg, tmp_path, monkeypatch):
+def test_record_and_gate_logs_are_copied_to_out_when_set(cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    _, path = preflight(cfg, tmp_path, [])
-    assert (tmp_path / "out" / "reports" / "preflight" / path.name).read_text() == path.read_text()
+    record, path = preflight(cfg, tmp_path, [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1})])
+    copied = tmp_path / "out" / "reports" / "preflight"
+    assert (copied / path.name).read_text() == path.read_text()
+    log = Path(record["gates"][3]["log"])
+    assert (copied / log.name).read_text() == log.read_text() and "running conformance-gpu" in log.read_text()
 
 
 # -- evidence ------------------------------------------------------------------------------------------------

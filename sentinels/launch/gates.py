@@ -175,7 +175,13 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
         record = build_record(cfg=cfg, config_path=config_path, overrides=overrides, resume=resume, code=code,
                               env=facts.as_dict(), gates=gates, started_unix=started, finished_unix=time.time(),
                               host=platform.node())
-        return write_record(record, records_dir)
+        path = write_record(record, records_dir)
+        if os.environ.get("OUT"):  # GPU hosts hand results back through $OUT: the record and the gate logs
+            copy_dir = Path(os.environ["OUT"]) / "reports" / "preflight"
+            copy_dir.mkdir(parents=True, exist_ok=True)
+            for item in [path] + [Path(g.log) for g in gates if g.log and Path(g.log).is_file()]:
+                shutil.copy2(item, copy_dir / item.name)
+        return path
 
     t0 = time.time()
     if code.commit is None:
@@ -212,10 +218,6 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
 
     path = save()
     record = json.loads(path.read_text())
-    if os.environ.get("OUT"):  # GPU hosts hand results back through $OUT
-        copy_dir = Path(os.environ["OUT"]) / "reports" / "preflight"
-        copy_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, copy_dir / path.name)
     return record, path
 
 
