@@ -221,26 +221,22 @@ class SentinelRunner:
         config under test, with profile.real_text) or "probe" (the probe model, with `overrides`); synthetic:
         uniform tokens on the probe model instead (planted faults that need no text)."""
         t0 = time.monotonic()
-        overrides = {**(self.profile.real_text if overrides is None else overrides), "model.debug.leak": leak,
-                     "model.debug.gate_override": gate_override}
+        if synthetic:  # planted-fault runs that need no text: the probe model on the random-label task
+            base_cfg = self.probe_config
+            overrides = {**self.profile.random_label, "data.source": "synthetic", "data.synthetic.task": "uniform"}
+        elif self.corpus is None:
+            return [SentinelResult(name, SKIP, "no real-text corpus (run `python -m sentinels prepare wiki` or "
+                                   "install gensim)", "-", planted=planted)
+                    for name in ("loss_floor", "gate_collapse", "watchdog")]
+        else:
+            base_cfg = self.run_config if base == "run" else self.probe_config
+            overrides = {**(self.profile.real_text if overrides is None else overrides), "data.source": "jsonl",
+                         "data.paths": [str(self.corpus)]}
+        overrides.update({"model.debug.leak": leak, "model.debug.gate_override": gate_override})
         if steps is not None:
             overrides["train.steps"] = steps
             overrides["train.warmup_steps"] = min(overrides.get("train.warmup_steps", 0), steps)
-        if synthetic:  # planted-fault runs that do not need text
-            base = self.probe_config
-            overrides.update({"data.source": "synthetic", "data.synthetic.task": "uniform"})
-            overrides = {k: v for k, v in overrides.items() if k in ("train.steps", "train.warmup_steps",
-                                                                     "model.debug.leak", "model.debug.gate_override")}
-            overrides.update({k: v for k, v in self.profile.random_label.items() if k != "train.steps"
-                              and k != "train.warmup_steps"})
-        else:
-            if self.corpus is None:
-                return [SentinelResult(name, SKIP, "no real-text corpus (run `python -m sentinels prepare wiki` or "
-                                       "install gensim)", "-", planted=planted)
-                        for name in ("loss_floor", "gate_collapse", "watchdog")]
-            overrides.update({"data.source": "jsonl", "data.paths": [str(self.corpus)]})
-            base = self.run_config if base == "run" else self.probe_config
-        cfg = self._config(base, overrides)
+        cfg = self._config(base_cfg, overrides)
         batch_source = None
         if slow_data_after is not None:
             batch_source = SlowingBatchSource(BatchSource(cfg, ShardSpec(0, 1), synthetic_on_fail=False),

@@ -224,7 +224,6 @@ class Trainer:
             raise TrainerError(self.launch_authorization.reason)
         self.save_checkpoints = save_checkpoints
         self.run_dir = Path(cfg.train.out_dir)
-        self.requested_device = cfg.train.device
         self.device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
         self.dist = init_distributed(self.device.type)
         self.step_hook = step_hook

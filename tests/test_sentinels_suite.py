@@ -88,13 +88,13 @@ def test_real_text_verdicts_and_planted_faults(tmp_path, corpus):
     assert floor.verdict == PASS and gate.verdict == PASS and watchdog.verdict in (PASS, WARN)
     assert floor.metrics["data_quality"]["ok"] > 0
 
+    # planted-fault runs train the probe model on synthetic tokens, whatever data its config names
+    runner.probe_config = runner.probe_config.replace(**{"data.source": "jsonl",
+                                                         "data.paths": [str(tmp_path / "missing.jsonl")]})
     _, nan_watchdog_gate, nan_watchdog = runner.real_text(steps=8, synthetic=True, step_hook=plant_nan_at(4))
     assert nan_watchdog.verdict == FAIL and "non-finite" in nan_watchdog.summary
 
-    short = dataclasses.replace(runner.run_config, monitors=dataclasses.replace(
-        runner.run_config.monitors, gate_collapse=dataclasses.replace(runner.run_config.monitors.gate_collapse,
-                                                                      steps=5)))
-    runner.probe_config = short
+    runner.probe_config = runner.probe_config.replace(**{"monitors.gate_collapse.steps": 5})
     _, saturated, _ = runner.real_text(gate_override="saturated", steps=8, synthetic=True)
     assert saturated.verdict == FAIL and "consecutive steps" in saturated.summary
 
