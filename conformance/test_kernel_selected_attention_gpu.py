@@ -40,6 +40,8 @@ PARITY_CASES = {
     "h64-d128": Case(tk=2048, tq=2048, n_kv_heads=1, group=64, dk=128, dv=128, sel_block=64, n_sel=8),
     "h16-d256": Case(tk=1024, tq=1024, n_kv_heads=1, group=16, dk=256, dv=256, sel_block=64, n_sel=8),
     "h64-d256": Case(tk=1024, tq=1024, n_kv_heads=1, group=64, dk=256, dv=256, sel_block=64, n_sel=4),
+    # block 0 (forced for every query) sums 8192 queries x 16 heads: the long dk/dv accumulation of fp32
+    "h16-d128-8k": Case(tk=8192, tq=8192, n_kv_heads=1, group=16, dk=128, dv=128, sel_block=64, n_sel=16),
     "decode-h16": Case(tk=1000, tq=7, n_kv_heads=2, group=16, dk=128, dv=128, sel_block=32, n_sel=6, batch=2),
     "h3-dk96-dv160-l48": Case(tk=777, tq=777, n_kv_heads=2, group=3, dk=96, dv=160, sel_block=48, n_sel=5),
 }
@@ -135,9 +137,10 @@ def test_gpu_offsets_beyond_int32() -> None:
     assert max(worst.values()) <= 1.0, worst
 
 
-def test_gpu_backward_is_bitwise_deterministic() -> None:
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_gpu_backward_is_bitwise_deterministic(dtype_name: str) -> None:
     case = PARITY_CASES["h4-dk128-dv64-8k"]
-    q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=3)
+    q, k, v = random_qkv(case, dtype=DTYPES[dtype_name], device=DEVICE, seed=3)
     idx = random_indices(case, seed=4, device=DEVICE)
     scale = 1.0 / math.sqrt(case.dk)
     o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
