@@ -126,3 +126,31 @@ def test_cpu_profile_end_to_end(tmp_path):
                                                         "gate_collapse", "watchdog"}
     assert all(p["tripped"] for p in report["planted"]) and len(report["planted"]) >= 6
     assert all((tmp_path / s["plot"]).exists() for s in report["sentinels"] if s["plot"])
+
+
+@pytest.mark.slow
+def test_gpu_profile_plumbing_on_cpu(tmp_path, corpus):
+    """Every run of the GPU profile (its probe and run configs, overrides and planted faults) for two steps on
+    the CPU: catches config/plumbing errors before the GPU run. Verdicts at two steps mean nothing."""
+    try:
+        from sentinels.data.tokenizers import get_tokenizer
+
+        get_tokenizer("gpt2")
+    except Exception as exc:
+        pytest.skip(f"GPT-2 tokenizer unavailable: {exc}")
+    gpu = PROFILES["gpu"]
+
+    def two_steps(overrides, **extra):
+        return {**overrides, "train.steps": 2, "train.warmup_steps": 1, "train.micro_batch_size": 1, **extra}
+
+    profile = dataclasses.replace(
+        gpu, device="cpu", precision="fp32", random_label=two_steps(gpu.random_label),
+        long_range=two_steps(gpu.long_range), real_text=two_steps(gpu.real_text, **{"train.seq_len": 256}),
+        loss_floor_plant=two_steps(gpu.loss_floor_plant), gate_collapse_plant_steps=2, watchdog_plant_steps=2,
+        eval_batches=1, label_shift_batches=1, cpu_threads=1)
+    runner = SentinelRunner(profile, run_config=load_config(gpu.run_config), probe_config=load_config(gpu.probe_config),
+                            work_dir=tmp_path / "work", corpus=corpus, budget_s=1800, log=lambda msg: None)
+    results, planted = runner.run_all()
+    assert [r.name for r in results] == ["label_shift", "random_label", "long_range", "loss_floor", "gate_collapse",
+                                         "watchdog"]
+    assert len(planted) == 7 and all(r.verdict != "SKIP" for r in results + planted)
