@@ -1,19 +1,20 @@
 """Gradients of Eq. 2-12: NSA is trained end to end, so its backward must be the derivative of its forward.
 
-- torch.autograd.gradcheck (fast mode: random directional derivatives) in float64 on tiny shapes: nsa_forward with respect to q, every branch's k and
-  v, the gates and the phi weights (phi "avg" and "mlp"), and each branch stage on its own. The block
-  selection is discrete (no gradient flows through Eq. 8-11), as in the reference.
+- torch.autograd.gradcheck (fast mode: random directional derivatives) in float64 on tiny shapes:
+  nsa_forward with respect to q, every branch's k and v, the gates and the phi weights (phi "avg" and
+  "mlp"), and each branch stage on its own. The block selection is discrete (no gradient flows through
+  Eq. 8-11), as in the reference.
 - In the low precision (--dtype), the gradients of every input follow FlashAttention's error-ratio rule:
   |impl - reference float64| <= 2 |reference in the same precision - reference float64| + 1e-6
-  (conformance.helpers.error_ratio; the float64 reference runs on the same rounded inputs), with the
-  selection equal to the float64 one.
+  (conformance.helpers.error_ratio; the float64 reference runs on the same rounded inputs). An example
+  whose selection differs in low precision (a near-tie) is compared with every block selected instead.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given, note
 from hypothesis import strategies as st
 
 from conformance.adapters import load_impl
@@ -113,21 +114,24 @@ def test_low_precision_gradients_follow_the_error_ratio_rule(impl, preset, devic
     x = make_inputs(cfg, T, seed=seed, shared_kv=impl.shared_kv)
     weights = torch.randn((1, T, cfg.n_heads, cfg.head_dim_v), generator=torch.Generator().manual_seed(seed),
                           dtype=torch.float64).to(low_dtype).to(torch.float64)  # one loss for all three runs
-
-    def ref_fn(y):
-        return reference.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi)
-
-    def impl_fn(y):
-        return impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi)
-
     low = x.to(dtype=low_dtype)
-    oracle, g_oracle = output_and_grads(ref_fn, low.to(dtype=torch.float64), weights)  # float64, same inputs
-    ref_low, g_ref_low = output_and_grads(ref_fn, low, weights)
-    cand, g_cand = output_and_grads(impl_fn, low.to(device=device), weights)
-    # Near-tied blocks may legitimately swap in low precision; compare gradients only for equal selections.
-    assume(torch.equal(ref_low.indices, oracle.indices))
-    assert torch.equal(cand.indices.cpu(), oracle.indices), (
-        f"{low_dtype} selection differs from float64 although the reference in {low_dtype} agrees with float64")
+
+    def three_runs(c):
+        oracle = output_and_grads(lambda y: reference.nsa_forward(y.q, y.kv, y.gates, c, y.phi),
+                                  low.to(dtype=torch.float64), weights)  # float64 on the same rounded inputs
+        ref_low = output_and_grads(lambda y: reference.nsa_forward(y.q, y.kv, y.gates, c, y.phi), low, weights)
+        cand = output_and_grads(lambda y: impl.nsa_forward(y.q, y.kv, y.gates, c, y.phi), low.to(device=device),
+                                weights)
+        return oracle, ref_low, cand
+
+    (oracle, g_oracle), (ref_low, g_ref_low), (cand, g_cand) = three_runs(cfg)
+    if not (torch.equal(ref_low.indices, oracle.indices) and torch.equal(cand.indices.cpu(), oracle.indices)):
+        # A near-tie resolved differently in low precision makes the runs attend to different blocks, and the
+        # comparison meaningless; such an example is compared with every block selected instead (low-precision
+        # selection itself is the tie-aware parity suite's business).
+        cfg = cfg.replace(n_sel=max(cfg.n_sel, -(-T // cfg.sel_block)))
+        note(f"selections differ in {low_dtype}: compared with n_sel = {cfg.n_sel} (every block selected)")
+        (oracle, g_oracle), (ref_low, g_ref_low), (cand, g_cand) = three_runs(cfg)
     ratio = error_ratio(cand.o, ref_low.o, oracle.o)
     record_metric("o", ratio)
     assert ratio <= 1, f"output error ratio {ratio:.3g} > 1"

@@ -38,7 +38,8 @@ def forward_and_grads(impl, x: Inputs, cfg, seed: int):
 def assert_finite(out, grads: dict, what: str) -> None:
     for field in ("o", "o_cmp", "o_slc", "o_win"):
         t = getattr(out, field)
-        assert bool(torch.isfinite(t).all()), f"{what}: {field} has {int((~torch.isfinite(t)).sum())} non-finite entries"
+        bad = int((~torch.isfinite(t)).sum())
+        assert bad == 0, f"{what}: {field} has {bad} non-finite entries"
     for name, g in grads.items():
         assert bool(torch.isfinite(g).all()), f"{what}: gradient of {name} has non-finite entries"
 

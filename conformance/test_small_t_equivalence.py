@@ -8,8 +8,9 @@ gates of Eq. 5 isolate the branches (o = g_cmp o_cmp + g_slc o_slc + g_win o_win
 - compressed branch with l = d = 1 and mean pooling (every key its own block) = dense causal attention
   (keys < p with cmp_visibility="strict");
 - one-hot gates give exactly one branch; any gates give the gated sum of the branch outputs.
-Each is checked in float64 (1e-12 relative) and in the low precision (--dtype) by the error-ratio rule
-against dense attention computed in that precision.
+Each is checked in float64 (1e-12 relative) and in the low precision (--dtype) by the error-ratio rule:
+against float64 dense attention on the same rounded inputs, with the loop reference in that precision
+as the budget.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conformance.adapters import load_impl
 from conformance.helpers import error_ratio, make_inputs
 from conformance.rules import causal_mask, current_sel_block, dense_attention
 from conformance.strategies import configs, lengths, show_reproducer
@@ -27,14 +29,17 @@ EQUATION = "Eq. 2, 5 (cover-all = dense)"
 
 RTOL = 1e-12  # float64
 BRANCH_GATE = {"cmp": (1.0, 0.0, 0.0), "slc": (0.0, 1.0, 0.0), "win": (0.0, 0.0, 1.0)}
+REFERENCE = load_impl("reference")
 
 
 def one_hot_gates(x, branch: str) -> None:
     x.gates.copy_(torch.tensor(BRANCH_GATE[branch], dtype=x.gates.dtype).expand_as(x.gates))
 
 
-def check_against_dense(what: str, candidate, dense, x, low_dtype, device, record_metric) -> None:
-    """candidate(x) vs dense(x): float64 within RTOL, and the low precision by the error-ratio rule."""
+def check_against_dense(what: str, candidate, dense, x, low_dtype, device, record_metric, *, reference) -> None:
+    """candidate(x) vs dense(x): float64 within RTOL; in the low precision by the error-ratio rule, with the
+    float64 dense attention on the same rounded inputs as the oracle and the loop reference run in that
+    precision (reference(inputs), the same stage of `reference`) as the budget."""
     got64, want64 = candidate(x), dense(x)
     err = float((got64.double().cpu() - want64.double().cpu()).abs().max())
     tol = RTOL * (1 + float(want64.abs().max()))
@@ -42,7 +47,7 @@ def check_against_dense(what: str, candidate, dense, x, low_dtype, device, recor
     assert err <= tol, f"{what} (float64) differs from dense attention: max error {err:.3g} > {tol:.3g}"
     low = x.to(dtype=low_dtype)
     oracle = dense(low.to(dtype=torch.float64, device="cpu"))  # float64 on the same (rounded) inputs
-    ratio = error_ratio(candidate(low.to(device=device)), dense(low.to(device="cpu")), oracle)
+    ratio = error_ratio(candidate(low.to(device=device)), reference(low.to(device="cpu")), oracle)
     record_metric(f"error_ratio_{str(low_dtype).replace('torch.', '')}", ratio)
     assert ratio <= 1, f"{what} in {low_dtype}: error ratio {ratio:.3g} > 1 against dense attention"
 
@@ -75,7 +80,8 @@ def test_selected_branch_covering_all_blocks_is_dense(impl, preset, device, low_
     x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
     one_hot_gates(x, "slc")
     check_against_dense("o with gates (0,1,0), n*l' >= T", lambda y: impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o,
-                        lambda y: dense_attention(y.q, *y.kv.slc, causal_mask(T)), x, low_dtype, device, record_metric)
+                        lambda y: dense_attention(y.q, *y.kv.slc, causal_mask(T)), x, low_dtype, device, record_metric,
+                        reference=lambda y: REFERENCE.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o)
 
 
 @given(data=st.data())
@@ -89,7 +95,8 @@ def test_window_covering_all_keys_is_dense(impl, preset, device, low_dtype, reco
     x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
     one_hot_gates(x, "win")
     check_against_dense("o with gates (0,0,1), w >= T", lambda y: impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o,
-                        lambda y: dense_attention(y.q, *y.kv.win, causal_mask(T)), x, low_dtype, device, record_metric)
+                        lambda y: dense_attention(y.q, *y.kv.win, causal_mask(T)), x, low_dtype, device, record_metric,
+                        reference=lambda y: REFERENCE.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o)
 
 
 @given(data=st.data())
@@ -106,7 +113,8 @@ def test_compressed_branch_with_unit_blocks_is_dense(impl, preset, device, low_d
     check_against_dense("o with gates (1,0,0), l = d = 1, phi = avg",
                         lambda y: impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o,
                         lambda y: dense_attention(y.q, *y.kv.cmp, causal_mask(T, strict=strict)),
-                        x, low_dtype, device, record_metric)
+                        x, low_dtype, device, record_metric,
+                        reference=lambda y: REFERENCE.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi).o)
 
 
 @given(data=st.data())
@@ -147,7 +155,8 @@ def test_window_stage_is_banded_dense(impl, preset, device, low_dtype, record_me
     check_against_dense(f"window_attention (window_keys={cfg.window_keys!r}, w={cfg.window})",
                         lambda y: impl.window_attention(y.q, *y.kv.win, cfg),
                         lambda y: dense_attention(y.q, *y.kv.win, causal_mask(T, window=cfg.window_size)),
-                        x, low_dtype, device, record_metric)
+                        x, low_dtype, device, record_metric,
+                        reference=lambda y: REFERENCE.window_attention(y.q, *y.kv.win, cfg))
 
 
 @given(data=st.data())
@@ -166,7 +175,7 @@ def test_selected_stage_with_every_block_is_dense(impl, preset, device, low_dtyp
     check_against_dense("selected_attention over every block",
                         lambda y: impl.selected_attention(y.q, *y.kv.slc, indices.to(y.q.device), cfg),
                         lambda y: dense_attention(y.q, *y.kv.slc, causal_mask(T)), x, low_dtype, device,
-                        record_metric)
+                        record_metric, reference=lambda y: REFERENCE.selected_attention(y.q, *y.kv.slc, indices, cfg))
 
 
 @given(data=st.data())
@@ -182,4 +191,6 @@ def test_compressed_stage_with_unit_blocks_is_dense(impl, preset, device, low_dt
     check_against_dense("compressed_attention with unit blocks",
                         lambda y: impl.compressed_attention(y.q, *impl.compress(*y.kv.cmp, cfg), cfg),
                         lambda y: dense_attention(y.q, *y.kv.cmp, causal_mask(T, strict=strict)), x, low_dtype,
-                        device, record_metric)
+                        device, record_metric,
+                        reference=lambda y: REFERENCE.compressed_attention(y.q, *REFERENCE.compress(*y.kv.cmp, cfg),
+                                                                           cfg))

@@ -230,7 +230,8 @@ class VerdictPlugin:
     def _compare_with_baseline(self) -> None:
         entry = self._load_baseline().get(self._baseline_key())
         if entry is None:
-            self.baseline_note = f"baseline: no entry {self._baseline_key()!r} in {self._baseline_path()} (not compared)"
+            self.baseline_note = (f"baseline: no entry {self._baseline_key()!r} in {self._baseline_path()} "
+                                  "(not compared)")
             return
         self.baseline_note = f"baseline: compared with {self._baseline_key()!r} in {self._baseline_path()}"
         for res in self.results.values():
@@ -250,7 +251,8 @@ class VerdictPlugin:
         path = self._baseline_path()
         data = self._load_baseline()
         data[self._baseline_key()] = {
-            r.name: {"ratios": {k: _round(v) for k, v in sorted(r.ratios.items())}, "counts": dict(sorted(r.counts.items()))}
+            r.name: {"ratios": {k: _round(v) for k, v in sorted(r.ratios.items())},
+                     "counts": dict(sorted(r.counts.items()))}
             for r in self._ordered() if r.ratios or r.counts
         }
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,8 @@ RESULTS: dict[str, dict] = {}
 def run_suite(impl_spec: str, paths: list[str], report_dir: Path, *, stop_at_first_failure: bool,
               baseline: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-           *(["-x", "-p", "conformance.selftest.no_shrink"] if stop_at_first_failure else []), *paths, f"--impl={impl_spec}", f"--report-dir={report_dir}",
+           *(["-x", "-p", "conformance.selftest.no_shrink"] if stop_at_first_failure else []), *paths,
+           f"--impl={impl_spec}", f"--report-dir={report_dir}",
            f"--baseline={baseline}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny tensors: threads only contend with each other
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
