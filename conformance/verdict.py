@@ -6,7 +6,8 @@ EQUATION (what of the paper it checks). Its verdict:
 - FAIL: a test failed or errored, or a metric regressed against the baseline;
 - PASS: every test ran and passed (tests skipped as not applicable, e.g. a GPU-only check on CPU, aside);
 - PARTIAL: tests passed, but some were NOT COVERED (the implementation lacks a stage they need);
-- NOT COVERED: no test of the property could run.
+- NOT COVERED: no test of the property could run;
+- N/A: every test was skipped as not applicable here (e.g. GPU-only tests on CPU).
 
 Metrics are recorded by tests through the `record_metric` fixture: kind "ratio" (an error divided by its
 allowed error; <= 1 passes; the worst per property is reported) and kind "count" (exact integers such as
@@ -33,7 +34,7 @@ PROPERTY_KEY = "nsa_property"
 METRIC_KEY = "nsa_metric"
 RATIO_GROWTH_LIMIT = 2.0
 RATIO_FLOOR = 0.01
-VERDICTS = ("PASS", "FAIL", "PARTIAL", "NOT COVERED")
+VERDICTS = ("PASS", "FAIL", "PARTIAL", "NOT COVERED", "N/A")
 
 
 @dataclass
@@ -60,7 +61,7 @@ class PropertyResult:
         if self.failed or self.regressions:
             return "FAIL"
         if self.passed == 0:
-            return "NOT COVERED"
+            return "N/A" if self.not_covered == 0 and self.not_applicable else "NOT COVERED"
         return "PARTIAL" if self.not_covered else "PASS"
 
     def to_dict(self) -> dict[str, Any]:
