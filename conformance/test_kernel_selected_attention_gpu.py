@@ -281,8 +281,9 @@ def test_gpu_tiling_sweep_at_64k() -> None:
           lambda tiling: selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale, tiling))
     _, delta = selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale)
     shapes = [(64, 32), (64, 64), (64, 128), (32, 64), (32, 128)]
-    sweep(REPORT["dkdv_sweep"],
-          [DkdvTiling(n, c, w, st) for n, c in shapes for w in (4, 8) for st in (1, 2)],
+    settings = [DkdvTiling(n, c, w, st) for n, c in shapes for w in (4, 8) for st in (1, 2)]
+    settings += [DkdvTiling(n, c, 8, 3) for n, c in shapes[:2] + shapes[3:4]]  # one 8-warp CTA per SM: deeper pipe?
+    sweep(REPORT["dkdv_sweep"], settings,
           dkdv_tiling(case.group, padded(case.dk), padded(case.dv), case.sel_block, torch.bfloat16),
           lambda launch: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, case.sel_block, scale,
                                                           launch))
