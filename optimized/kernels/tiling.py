@@ -67,9 +67,13 @@ def forward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, d
     elem = torch.finfo(dtype).bits // 8
     block_n = key_tile_rows(sel_block, 64)
     stages = 3
-    while stages > 1 and stages * block_n * (block_dk + block_dv) * elem + block_h * block_dk * elem > SMEM_BUDGET:
+
+    def smem(stages: int, block_n: int) -> int:
+        return stages * block_n * (block_dk + block_dv) * elem + block_h * block_dk * elem
+
+    while stages > 1 and smem(stages, block_n) > SMEM_BUDGET:
         stages -= 1
-    while block_n > MIN_DOT and stages * block_n * (block_dk + block_dv) * elem + block_h * block_dk * elem > SMEM_BUDGET:
+    while block_n > MIN_DOT and smem(stages, block_n) > SMEM_BUDGET:
         block_n //= 2
     warps = 8 if block_h * max(block_dk, block_dv) >= 64 * 128 else 4
     return Tiling(block_n=block_n, num_warps=warps, num_stages=stages)
