@@ -65,7 +65,7 @@ class NSADecodeCache:
             raise ValueError(f"NSADecodeCache.backend must be one of {BACKENDS}, got {backend!r}")
         compression._check_phi(cfg, phi, cfg.head_dim_qk, cfg.head_dim_v)
         self.cfg, self.batch_size, self.capacity = cfg, batch_size, capacity
-        self.dtype, self.device, self.backend = dtype, torch.device(device), backend
+        self.dtype, self.device, self.backend = dtype, _resolved_device(device), backend
         self.phi = phi.to(dtype=dtype, device=self.device) if phi is not None else None
         if backend == "triton":
             kernels.check_available(self.device)
@@ -271,3 +271,12 @@ def _zero_padding(out: NSAOutput, real: Tensor) -> NSAOutput:
 
 
 __all__ = ["NSADecodeCache", "window_capacity"]
+
+
+def _resolved_device(device: torch.device | str) -> torch.device:
+    """The device with its index filled in ("cuda" -> "cuda:N" of the current device), so that the input
+    check compares it equal to the device tensors report."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
