@@ -35,15 +35,18 @@ class CompressedKeyPlan:
 
 
 def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, positions: Tensor, *,
-                              chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+                              chunk_size: int | None = None,
+                              compute: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Compressed branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ]:
-    (o_cmp [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = visible compressed blocks counted from the mask applied)."""
+    (o_cmp [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = visible compressed blocks counted from the
+    mask applied).
+    compute: see masked_attention."""
     B, TQ, Hq, _ = q.shape
     n_blocks = k_cmp.shape[1]
     if chunk_size is None:
         chunk_size = auto_chunk_size(TQ, B * Hq * max(n_blocks, 1))
     plan = CompressedKeyPlan(positions, n_blocks, cfg, chunk_size)
-    return masked_attention(plan, q, k_cmp, v_cmp)
+    return masked_attention(plan, q, k_cmp, v_cmp, compute=compute)
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,

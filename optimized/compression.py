@@ -59,7 +59,7 @@ def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None
 
 
 def compress_unrounded(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> tuple[Tensor, Tensor]:
-    """compress, left in the compute dtype (float32 for half/bfloat16 inputs) for nsa_forward's attention."""
+    """compress, left in the compute dtype (masked_attention.compute_dtype) for nsa_forward's attention."""
     if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"compress needs k [B,T,Hkv,dk] and v [B,T,Hkv,dv] with equal [B,T,Hkv]; "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")

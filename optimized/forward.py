@@ -7,10 +7,11 @@ import torch
 from torch import Tensor
 
 from reference.config import NSAConfig
-from reference.contract import BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
+from reference.contract import KV, BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
 
 from .compressed import compressed_attention_rows
 from .compression import compress_unrounded
+from .masked_attention import compute_dtype
 from .scoring import selection_indices
 from .selected import check_indices, selected_attention_rows
 from .window import window_attention_rows
@@ -21,6 +22,19 @@ def gated_sum(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor) -> Ten
     return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
 
 
+def widen(q: Tensor, kv: BranchKV, gates: Tensor, dtype: torch.dtype) -> tuple[Tensor, BranchKV, Tensor]:
+    """q, kv, gates cast to dtype, each distinct tensor once (a k/v shared by branches stays shared)."""
+    cast: dict[int, Tensor] = {}
+
+    def once(t: Tensor) -> Tensor:
+        if id(t) not in cast:
+            cast[id(t)] = t.to(dtype)
+        return cast[id(t)]
+
+    kv_wide = BranchKV(*(KV(once(b.k), once(b.v)) for b in (kv.cmp, kv.slc, kv.win)))
+    return once(q), kv_wide, once(gates)
+
+
 def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None,
                      positions: Tensor, *, backend: str = "auto", chunk_size: int | None = None,
                      indices: Tensor | None = None) -> NSAOutput:
@@ -28,8 +42,13 @@ def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi
     TK keys of every branch in kv. indices: given selection indices [B, TQ, Hkv, n] replace Eq. 8-11
     (teacher forcing); by default they are computed by scoring.selection_indices."""
     n_keys = kv.win.k.shape[1]
-    k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v, cfg, phi)
-    o_cmp, reads_cmp = compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size)
+    # Precision: every input is widened once to the compute dtype and every branch and Eq. 5 run in it, so a
+    # gradient summed over uses (q in three branches, a k/v shared by branches) is rounded once, at the input.
+    cd = compute_dtype(q.dtype)
+    q_wide, kv_wide, gates_wide = widen(q, kv, gates, cd)
+    k_cmp, v_cmp = compress_unrounded(kv_wide.cmp.k, kv_wide.cmp.v, cfg, phi)
+    o_cmp, reads_cmp = compressed_attention_rows(q_wide, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size,
+                                                 compute=cd)
     if indices is None:
         # scored on the compressed keys rounded as compress() returns them, so nsa_forward selects exactly what
         # select_blocks(selection_scores(q, compress(k, v)[0])) selects
@@ -37,11 +56,12 @@ def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi
                                     chunk_size=chunk_size)
     else:
         check_indices(indices, q, cfg)
-    o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions,
-                                               backend=backend, chunk_size=chunk_size)
-    o_win, reads_win = window_attention_rows(q, kv.win.k, kv.win.v, cfg, positions, chunk_size=chunk_size)
-    # the branches and Eq. 5 stay in the compute dtype; outputs are rounded to q's dtype once, here
-    o = gated_sum(gates.to(o_cmp.dtype), o_cmp, o_slc, o_win)
+    o_slc, reads_slc = selected_attention_rows(q_wide, kv_wide.slc.k, kv_wide.slc.v, indices, cfg, positions,
+                                               backend=backend, chunk_size=chunk_size, compute=cd,
+                                               kernel_dtype=q.dtype)
+    o_win, reads_win = window_attention_rows(q_wide, kv_wide.win.k, kv_wide.win.v, cfg, positions,
+                                             chunk_size=chunk_size, compute=cd)
+    o = gated_sum(gates_wide, o_cmp, o_slc, o_win)
     return NSAOutput(
         o=o.to(q.dtype),
         indices=indices,

@@ -2,10 +2,14 @@
 Function shared by the compressed, selected (torch backend) and window branches.
 
 Memory: only one query chunk's logits exist at a time, in forward and in backward (the backward recomputes them
-from the saved log-sum-exp, like FlashAttention), so no branch ever holds a T x T (or T x N) tensor and autograd
-keeps only q, k, v, o and the log-sum-exp. A query with no valid key gets exactly 0 and zero gradients (no NaN).
-Arithmetic runs in float32 for half/bfloat16/float32 inputs and in float64 for float64 inputs, and the output
-stays in that compute dtype (callers round once, at the end, so gradients also flow back in it).
+from the saved row max and row sum, like FlashAttention's log-sum-exp), so no branch ever holds a T x T (or
+T x N) tensor and autograd keeps only q, k, v and two numbers per (query, head). A query with no valid key gets
+exactly 0 and zero gradients (no NaN).
+
+Precision: arithmetic runs in the next wider float than the inputs (compute_dtype) and the output stays in it;
+callers round once, at the end, so gradients also flow back in it. Results are then the inputs' exact function
+rounded once (within the wider type's error), which is what lets this path meet FlashAttention's error-ratio rule
+against the loop reference even on tiny tensors, where a 1-ulp summation-order difference would otherwise count.
 
 A key plan says which keys each query chunk reads:
 - `SharedKeys`: a contiguous key range [start, stop) read by the whole chunk, valid [C, K] per query and key;
@@ -26,8 +30,8 @@ CHUNK_ELEMENTS = 1 << 26
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every other floating dtype is computed in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The dtype arithmetic runs in: float32 for half/bfloat16 inputs, float64 for float32 and float64 inputs."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def query_chunks(n_queries: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -65,11 +69,13 @@ class KeyPlan(Protocol):
     def keys(self, q0: int, q1: int) -> SharedKeys | GatheredKeys: ...
 
 
-def masked_attention(plan: KeyPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def masked_attention(plan: KeyPlan, q: Tensor, k: Tensor, v: Tensor, *,
+                     compute: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Eq. 2 for every query of q [B, TQ, Hq, dk] over the keys the plan gives it, k [B, TK, Hkv, dk],
     v [B, TK, Hkv, dv]. Returns (o [B, TQ, Hq, dv] in the compute dtype, reads int64 [B, TQ, Hkv]) where reads counts
-    the valid keys each (query, KV head) was given."""
-    return _MaskedAttention.apply(plan, q, k, v)
+    the valid keys each (query, KV head) was given. compute: the arithmetic dtype (default compute_dtype(q.dtype);
+    nsa_forward passes inputs it has already widened, with the dtype it widened them to)."""
+    return _MaskedAttention.apply(plan, compute or compute_dtype(q.dtype), q, k, v)
 
 
 # Contractions for the two plan kinds. q-like tensors are [B, C, Hkv, G, D]; logits [B, C, Hkv, G, K].
@@ -125,27 +131,30 @@ class _Chunk:
             dv.view(-1, dv.shape[-1]).index_add_(0, self.flat, dvalues.reshape(-1, dv.shape[-1]))
 
 
-def _probabilities(logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Masked softmax pieces: e = exp(logits - row max) (0 where masked), its row sum, and the log-sum-exp
-    (-inf for a row with no valid key)."""
+def _row_max(masked_logits: Tensor) -> Tensor:
+    """Row max of the masked logits, 0 for a row with no valid key (so exp(-inf - 0) = 0, never NaN)."""
+    row_max = masked_logits.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+
+
+def _unnormalised(logits: Tensor, mask: Tensor, row_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """e = exp(logits - row max), exactly 0 where masked, and the row max used."""
     masked = logits.masked_fill(~mask, float("-inf"))
-    row_max = masked.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    e = torch.exp(masked - row_max)
-    total = e.sum(dim=-1, keepdim=True)
-    return e, total, row_max + torch.log(total)
+    if row_max is None:
+        row_max = _row_max(masked)
+    return torch.exp(masked - row_max), row_max
 
 
 class _MaskedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: KeyPlan, q: Tensor, k: Tensor, v: Tensor):
+    def forward(ctx, plan: KeyPlan, cd: torch.dtype, q: Tensor, k: Tensor, v: Tensor):
         B, TQ, Hq, dk = q.shape
         H, dv = k.shape[2], v.shape[3]
         G = Hq // H
-        cd = compute_dtype(q.dtype)
         inv_sqrt = 1.0 / math.sqrt(dk)
         o = torch.zeros((B, TQ, Hq, dv), dtype=cd, device=q.device)
-        lse = torch.full((B, TQ, H, G, 1), float("-inf"), dtype=cd, device=q.device)
+        row_max = torch.zeros((B, TQ, H, G, 1), dtype=cd, device=q.device)
+        row_sum = torch.ones((B, TQ, H, G, 1), dtype=cd, device=q.device)  # 1 where no key: p = 0 / 1
         reads = torch.zeros((B, TQ, H), dtype=torch.int64, device=q.device)
         for q0, q1 in plan.chunks():
             C = q1 - q0
@@ -154,25 +163,26 @@ class _MaskedAttention(torch.autograd.Function):
             if chunk.n_keys == 0:
                 continue
             qc = q[:, q0:q1].reshape(B, C, H, G, dk).to(cd)
-            e, total, lse_c = _probabilities(_logits(qc, chunk.keys, chunk.shared) * inv_sqrt, chunk.mask)
-            oc = _weighted_values(e, chunk.values, chunk.shared) / torch.where(total > 0, total, torch.ones_like(total))
+            e, max_c = _unnormalised(_logits(qc, chunk.keys, chunk.shared) * inv_sqrt, chunk.mask)
+            total = e.sum(dim=-1, keepdim=True)
+            total = torch.where(total > 0, total, torch.ones_like(total))
+            oc = _weighted_values(e, chunk.values, chunk.shared) / total
             o[:, q0:q1] = oc.reshape(B, C, Hq, dv)
-            lse[:, q0:q1] = lse_c
-        ctx.plan = plan
-        ctx.save_for_backward(q, k, v, lse)
+            row_max[:, q0:q1], row_sum[:, q0:q1] = max_c, total
+        ctx.plan, ctx.cd = plan, cd
+        ctx.save_for_backward(q, k, v, row_max, row_sum)
         ctx.mark_non_differentiable(reads)
         return o, reads
 
     @staticmethod
     def backward(ctx, do: Tensor, _dreads: Tensor):
-        q, k, v, lse = ctx.saved_tensors
-        plan = ctx.plan
+        q, k, v, row_max, row_sum = ctx.saved_tensors
+        plan, cd = ctx.plan, ctx.cd
         B, TQ, Hq, dk = q.shape
         H, dv = k.shape[2], v.shape[3]
         G = Hq // H
-        cd = compute_dtype(q.dtype)
         inv_sqrt = 1.0 / math.sqrt(dk)
-        need_q, need_k, need_v = ctx.needs_input_grad[1:4]
+        need_q, need_k, need_v = ctx.needs_input_grad[2:5]
         dq = torch.zeros(q.shape, dtype=cd, device=q.device) if need_q else None
         dkeys_all = torch.zeros(k.shape, dtype=cd, device=k.device) if need_k else None
         dvalues_all = torch.zeros(v.shape, dtype=cd, device=v.device) if need_v else None
@@ -183,10 +193,9 @@ class _MaskedAttention(torch.autograd.Function):
                 continue
             qc = q[:, q0:q1].reshape(B, C, H, G, dk).to(cd)
             doc = do[:, q0:q1].reshape(B, C, H, G, dv).to(cd)
-            lse_c = lse[:, q0:q1]
-            lse_c = torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))
-            logits = (_logits(qc, chunk.keys, chunk.shared) * inv_sqrt).masked_fill(~chunk.mask, float("-inf"))
-            p = torch.exp(logits - lse_c)  # Eq. 2 probabilities; 0 where masked
+            # Eq. 2 probabilities recomputed exactly as in forward (exp(s - max) / sum); 0 where masked
+            e, _ = _unnormalised(_logits(qc, chunk.keys, chunk.shared) * inv_sqrt, chunk.mask, row_max[:, q0:q1])
+            p = e / row_sum[:, q0:q1]
             dp = _logits(doc, chunk.values, chunk.shared)
             # delta = dO . o, summed from the recomputed probabilities rather than the output rounded to q's
             # dtype, so that every softmax row's gradient sums to 0 as it does exactly (no bias in dk of
@@ -198,7 +207,7 @@ class _MaskedAttention(torch.autograd.Function):
             chunk.scatter(dkeys_all, dvalues_all,
                           _key_grad(ds, qc, chunk.shared) if need_k else None,
                           _key_grad(p, doc, chunk.shared) if need_v else None)
-        return (None,
+        return (None, None,
                 dq.to(q.dtype) if need_q else None,
                 dkeys_all.to(k.dtype) if need_k else None,
                 dvalues_all.to(v.dtype) if need_v else None)

@@ -1,7 +1,7 @@
 """Selection scoring (Eq. 8-10) and top-n block selection (Eq. 11), vectorized and chunked over queries.
 
-Selection is discrete: nothing here carries gradients (as in the reference). Scores are computed in float64 for
-float64 inputs and in float32 otherwise.
+Selection is discrete: nothing here carries gradients (as in the reference). Scores are computed in
+masked_attention.compute_dtype (float32 for half/bfloat16 inputs, float64 for float32/float64 inputs).
 
 Chunk invariance: a query row's logits always span all N compressed blocks (invisible ones are masked), its
 softmax sum, Eq. 9 band and Eq. 10 head sum are added in a fixed order, and Eq. 11 is a per-row stable sort, so the
@@ -87,8 +87,8 @@ def selection_scores_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: T
 
 
 def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None) -> Tensor:
-    """Eq. 8-10 for prefill queries 0..T-1: [B, T, Hkv, ceil(T / l')] (float64 for float64 inputs, else
-    float32), -inf for blocks after J = p // l'."""
+    """Eq. 8-10 for prefill queries 0..T-1: [B, T, Hkv, ceil(T / l')] in compute_dtype(q.dtype),
+    -inf for blocks after J = p // l'."""
     _check_scoring_inputs(q, k_cmp, cfg)
     T = q.shape[1]
     positions = torch.arange(T, device=q.device)

@@ -53,7 +53,7 @@ class SelectedKeyPlan:
         return GatheredKeys(torch.where(valid, tokens, torch.zeros_like(tokens)), valid)
 
 
-def _use_triton(backend: str, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> bool:
+def _use_triton(backend: str, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, kernel_dtype: torch.dtype) -> bool:
     """Whether the selected branch runs on the Triton kernel; "auto" falls back to torch where the kernel cannot
     run (no CUDA, no triton, float64, queries that are not the last TQ keys, sizes past the kernel's limits)."""
     if backend not in BACKENDS:
@@ -76,18 +76,25 @@ def _use_triton(backend: str, q: Tensor, k: Tensor, v: Tensor, positions: Tensor
     except ImportError:
         return False
     group, head_dim = q.shape[2] // k.shape[2], max(q.shape[3], v.shape[3])
-    return q.dtype in kernel.FLOAT_DTYPES and group <= kernel.MAX_GROUP and head_dim <= kernel.MAX_HEAD_DIM
+    return kernel_dtype in kernel.FLOAT_DTYPES and group <= kernel.MAX_GROUP and head_dim <= kernel.MAX_HEAD_DIM
 
 
 def selected_attention_rows(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig, positions: Tensor,
-                            *, backend: str = "auto", chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+                            *, backend: str = "auto", chunk_size: int | None = None,
+                            compute: torch.dtype | None = None,
+                            kernel_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Selected branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ] over keys k [B, TK, Hkv, dk]:
-    (o_slc [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = valid tokens of the gathered blocks)."""
+    (o_slc [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = valid tokens of the gathered blocks).
+    compute: see masked_attention; kernel_dtype: the dtype the Triton kernel reads (default q.dtype; nsa_forward
+    passes widened inputs and the caller's dtype)."""
     B, TQ, Hq, _ = q.shape
-    if _use_triton(backend, q, k, v, positions):
+    kernel_dtype = kernel_dtype or q.dtype
+    compute = compute or compute_dtype(q.dtype)
+    if _use_triton(backend, q, k, v, positions, kernel_dtype):
         from optimized.kernels import triton_selected_attention
 
-        o = triton_selected_attention(q, k, v, indices, cfg.sel_block).to(compute_dtype(q.dtype))
+        o = triton_selected_attention(q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype), indices,
+                                      cfg.sel_block).to(compute)
         with torch.no_grad():
             reads = selected_tokens(indices, positions, cfg)[1].sum(dim=-1)
         return o, reads
@@ -95,7 +102,7 @@ def selected_attention_rows(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cf
     if chunk_size is None:
         per_query = B * n_tokens * (cfg.n_kv_heads * (k.shape[-1] + v.shape[-1] + 4) + Hq)
         chunk_size = auto_chunk_size(TQ, per_query)
-    return masked_attention(SelectedKeyPlan(indices, positions, cfg, chunk_size), q, k, v)
+    return masked_attention(SelectedKeyPlan(indices, positions, cfg, chunk_size), q, k, v, compute=compute)
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig, *,

@@ -35,14 +35,15 @@ class WindowKeyPlan:
 
 
 def window_attention_rows(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Tensor, *,
-                          chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+                          chunk_size: int | None = None, compute: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Window branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ] over keys k [B, TK, Hkv, dk]:
-    (o_win [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = window keys counted from the mask applied)."""
+    (o_win [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = window keys counted from the mask applied).
+    compute: see masked_attention."""
     B, TQ, Hq, _ = q.shape
     if chunk_size is None:
         chunk_size = auto_chunk_size(TQ, B * Hq * 2 * cfg.window_size)
         chunk_size = min(chunk_size, max(cfg.window_size, 128))  # keys per chunk stay O(C + w)
-    return masked_attention(WindowKeyPlan(positions, k.shape[1], cfg, chunk_size), q, k, v)
+    return masked_attention(WindowKeyPlan(positions, k.shape[1], cfg, chunk_size), q, k, v, compute=compute)
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None) -> Tensor:
