@@ -168,7 +168,8 @@ class LowPrecisionResult:
 
 
 def low_precision_example(cfg: NSAConfig, T: int, dtype: torch.dtype, *, seed: int, B: int = 1,
-                          device: str | torch.device = "cpu", backend: str = "torch") -> LowPrecisionResult:
+                          shared_kv: bool = False, device: str | torch.device = "cpu",
+                          backend: str = "torch") -> LowPrecisionResult:
     """The optimized path (inputs on `device`, selected-branch `backend`) vs the loop reference on CPU.
 
     All runs share the inputs: low-precision tensors, which the float64 oracle gets as exact float64 values.
@@ -176,7 +177,7 @@ def low_precision_example(cfg: NSAConfig, T: int, dtype: torch.dtype, *, seed: i
     in this dtype is checked tie-aware against the oracle's float64 scores."""
     import optimized
 
-    base = make_inputs(cfg, T, B=B, seed=seed, phi_hidden=3, dtype=dtype).to(dtype=torch.float64)
+    base = make_inputs(cfg, T, B=B, seed=seed, phi_hidden=3, dtype=dtype, shared_kv=shared_kv).to(dtype=torch.float64)
     oracle_in = base.to(requires_grad=True)
     oracle = reference.nsa_forward(oracle_in.q, oracle_in.kv, oracle_in.gates, cfg, oracle_in.phi)
     weight = cotangent(tuple(oracle.o.shape)).to(dtype).to(torch.float64)

@@ -111,7 +111,8 @@ def test_low_precision_parity(data):
     cfg = data.draw(small_configs(), label="cfg")
     T = data.draw(sequence_lengths(cfg, 80), label="T")
     dtype = data.draw(st.sampled_from(LOW_PRECISION), label="dtype")
-    result = low_precision_example(cfg, T, dtype, seed=T + 7)
+    shared_kv = data.draw(st.booleans(), label="shared_kv")
+    result = low_precision_example(cfg, T, dtype, seed=T + 7, shared_kv=shared_kv)
     note(f"error ratios: {result.ratios}")
     worst = max(result.ratios, key=result.ratios.get)
     assert result.ratios[worst] <= 1.0, f"{dtype}: {worst} error ratio {result.ratios[worst]:.3f} > 1"

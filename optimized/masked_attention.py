@@ -197,9 +197,8 @@ class _MaskedAttention(torch.autograd.Function):
             e, _ = _unnormalised(_logits(qc, chunk.keys, chunk.shared) * inv_sqrt, chunk.mask, row_max[:, q0:q1])
             p = e / row_sum[:, q0:q1]
             dp = _logits(doc, chunk.values, chunk.shared)
-            # delta = dO . o, summed from the recomputed probabilities rather than the output rounded to q's
-            # dtype, so that every softmax row's gradient sums to 0 as it does exactly (no bias in dk of
-            # shift-invariant inputs such as phi's b2)
+            # delta = dO . o as sum(p * dp) over the recomputed probabilities (o is not saved), so every softmax
+            # row's gradient sums to 0 up to rounding (no bias in dk of shift-invariant inputs such as phi's b2)
             delta = (p * dp).sum(dim=-1, keepdim=True)
             ds = p * (dp - delta) * inv_sqrt
             if need_q:
