@@ -20,9 +20,13 @@ def install_cpu(session: nox.Session, extras: str = "dev,triton") -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit tests and the conformance suite on CPU (the CI command)."""
-    install_cpu(session)
-    session.run("pytest", "-q", *session.posargs)
+    """Unit tests and the conformance suite on CPU (the CI command): everything not marked slow (the reference as
+    the suite's implementation, the kernels in Triton's interpreter, the self-test), then the conformance
+    properties against optimized with the baseline comparison."""
+    install_cpu(session, extras="dev,triton,data,plots")
+    single_thread = {"OMP_NUM_THREADS": "1"}  # tiny tensors: intra-op threads only add overhead on 2 cores
+    session.run("pytest", "-q", "-m", "not slow", *session.posargs, env=single_thread)
+    session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized", env=single_thread)
 
 
 @nox.session
