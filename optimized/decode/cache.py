@@ -97,7 +97,11 @@ class NSADecodeCache:
 
     @property
     def use_kernels(self) -> bool:
-        return self.backend == "triton" or (self.backend == "auto" and self.device.type == "cuda")
+        """"triton", or "auto" on CUDA for the dtypes the decode kernels compute in (fp32/bf16/fp16): float64
+        stays on the torch path, as in the prefill dispatch (the kernels accumulate in fp32)."""
+        if self.backend == "triton":
+            return True
+        return self.backend == "auto" and self.device.type == "cuda" and self.dtype in KERNEL_DTYPES
 
     # Filling from a prompt -----------------------------------------------------------------------------------
     def fill(self, kv: BranchKV, lengths: RowCounts = None) -> None:
@@ -271,6 +275,9 @@ def _zero_padding(out: NSAOutput, real: Tensor) -> NSAOutput:
 
 
 __all__ = ["NSADecodeCache", "window_capacity"]
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _resolved_device(device: torch.device | str) -> torch.device:
