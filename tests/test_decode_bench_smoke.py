@@ -4,19 +4,13 @@ of the step at context s are Table 4's model s/d + n*l' + w minus one (docs/spec
 import csv
 import json
 
-import torch
 
 from perf import decode_bench
 
 
-def test_decode_bench_cpu_smoke(tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert decode_bench.main(["--device", "cpu", "--tiny", "--contexts", "512", "--batches", "2", "--steps", "2",
-                                  "--warmup", "1", "--out", str(tmp_path)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+def test_decode_bench_cpu_smoke(tmp_path, single_torch_thread):
+    assert decode_bench.main(["--device", "cpu", "--tiny", "--contexts", "512", "--batches", "2", "--steps", "2",
+                              "--warmup", "1", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "decode_bench.csv")))
     assert len(rows) == 1
     row = rows[0]

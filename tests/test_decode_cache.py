@@ -35,13 +35,7 @@ VARIANTS = {
 TABLE_4 = {8192: 2048, 16384: 2560, 32768: 3584, 65536: 5632}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Decode calls are hundreds of tiny ops: on a shared 2-core machine intra-op threading only adds waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def tokens(kv: BranchKV, start: int, stop: int) -> BranchKV:

@@ -17,12 +17,7 @@ TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 T = 40
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _model(*overrides, seed=0):
