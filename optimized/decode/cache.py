@@ -97,11 +97,11 @@ class NSADecodeCache:
 
     @property
     def use_kernels(self) -> bool:
-        """"triton", or "auto" on CUDA for the dtypes the decode kernels compute in (fp32/bf16/fp16): float64
-        stays on the torch path, as in the prefill dispatch (the kernels accumulate in fp32)."""
+        """"triton", or "auto" on CUDA for the dtypes the decode kernels compute in (kernels.KERNEL_DTYPES), as
+        in the prefill dispatch."""
         if self.backend == "triton":
             return True
-        return self.backend == "auto" and self.device.type == "cuda" and self.dtype in KERNEL_DTYPES
+        return self.backend == "auto" and self.device.type == "cuda" and self.dtype in kernels.KERNEL_DTYPES
 
     # Filling from a prompt -----------------------------------------------------------------------------------
     def fill(self, kv: BranchKV, lengths: RowCounts = None) -> None:
@@ -275,9 +275,6 @@ def _zero_padding(out: NSAOutput, real: Tensor) -> NSAOutput:
 
 
 __all__ = ["NSADecodeCache", "window_capacity"]
-
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _resolved_device(device: torch.device | str) -> torch.device:

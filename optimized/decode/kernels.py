@@ -19,6 +19,10 @@ def selected_rule_is_kernel_rule() -> bool:
     return masks.selected_token_visible is _KERNEL_SELECTED_RULE
 
 
+# The dtypes the decode kernels compute in (they accumulate in fp32): float64 stays on the torch path.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_available(device: torch.device) -> None:
     """ValueError unless the kernels can run on `device` (CUDA, or CPU under TRITON_INTERPRET=1)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
