@@ -71,6 +71,29 @@ def assert_grads_equal(ga: dict, gb: dict, s: int) -> None:
                           f"(loss on outputs < {s} only): {diff}")
 
 
+def branch_run(attention, branch: str, seed: int, device):
+    """run(x, s) for one branch stage: its output and the gradients of a loss on rows < s with respect to q and
+    that branch's k, v. attention(q, k, v) calls the stage."""
+
+    def run(x: Inputs, s: int):
+        xg = x.to(requires_grad=True)
+        k, v = xg.kv.branch(branch)
+        o = attention(xg.q, k, v)
+        loss = (o * loss_weights(o.shape, seed, s, device)).sum()
+        return o, dict(zip(("q", "k", "v"), torch.autograd.grad(loss, [xg.q, k, v])))
+
+    return run
+
+
+def assert_ignores_the_future(what: str, run, x: Inputs, data, cfg, T: int, seed: int) -> None:
+    """For every drawn cut s: the output rows < s and the gradients reaching positions < s are identical whether
+    or not everything at positions >= s is perturbed."""
+    for s in data.draw(cuts(cfg, T), label="cuts"):
+        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s), s)
+        assert_prefix_equal(what, a, b, s)
+        assert_grads_equal(ga, gb, s)
+
+
 def draw_case(data, preset, low: int = 2, high: int = 40):
     cfg = data.draw(configs(preset), label="cfg")
     T = data.draw(lengths(cfg, low=low, high=high), label="T")
@@ -123,10 +146,7 @@ def test_compressed_branch(impl, preset, device, data):
         return o, g
 
     x = make_inputs(cfg, T, B=B, seed=seed, device=device)
-    for s in data.draw(cuts(cfg, T), label="cuts"):
-        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s), s)
-        assert_prefix_equal("o_cmp", a, b, s)
-        assert_grads_equal(ga, gb, s)
+    assert_ignores_the_future("o_cmp", run, x, data, cfg, T, seed)
 
 
 @given(data=st.data())
@@ -175,19 +195,9 @@ def test_selected_branch_partial_block(impl, preset, device, data):
     show_reproducer(impl.spec, cfg, "o = impl.selected_attention(x.q, x.kv.slc.k, x.kv.slc.v, indices, cfg)"
                     "  # indices: see random_indices in conformance/test_no_peeking.py", T=T, B=B, seed=seed)
     indices = random_indices(cfg, B, T, seed).to(device)
-
-    def run(x: Inputs, s: int):
-        xg = x.to(requires_grad=True)
-        o = impl.selected_attention(xg.q, xg.kv.slc.k, xg.kv.slc.v, indices, cfg)
-        loss = (o * loss_weights(o.shape, seed, s, device)).sum()
-        g = torch.autograd.grad(loss, [xg.q, xg.kv.slc.k, xg.kv.slc.v])
-        return o, dict(zip(("q", "k", "v"), g))
-
+    run = branch_run(lambda q, k, v: impl.selected_attention(q, k, v, indices, cfg), "slc", seed, device)
     x = make_inputs(cfg, T, B=B, seed=seed, device=device)
-    for s in data.draw(cuts(cfg, T), label="cuts"):
-        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s), s)
-        assert_prefix_equal("o_slc", a, b, s)
-        assert_grads_equal(ga, gb, s)
+    assert_ignores_the_future("o_slc", run, x, data, cfg, T, seed)
 
 
 @given(data=st.data())
@@ -197,19 +207,9 @@ def test_window_branch(impl, preset, device, data):
     cfg, T, B, seed = draw_case(data, preset)
     show_reproducer(impl.spec, cfg, "o = impl.window_attention(x.q, x.kv.win.k, x.kv.win.v, cfg)",
                     T=T, B=B, seed=seed)
-
-    def run(x: Inputs, s: int):
-        xg = x.to(requires_grad=True)
-        o = impl.window_attention(xg.q, xg.kv.win.k, xg.kv.win.v, cfg)
-        loss = (o * loss_weights(o.shape, seed, s, device)).sum()
-        g = torch.autograd.grad(loss, [xg.q, xg.kv.win.k, xg.kv.win.v])
-        return o, dict(zip(("q", "k", "v"), g))
-
+    run = branch_run(lambda q, k, v: impl.window_attention(q, k, v, cfg), "win", seed, device)
     x = make_inputs(cfg, T, B=B, seed=seed, device=device)
-    for s in data.draw(cuts(cfg, T), label="cuts"):
-        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s), s)
-        assert_prefix_equal("o_win", a, b, s)
-        assert_grads_equal(ga, gb, s)
+    assert_ignores_the_future("o_win", run, x, data, cfg, T, seed)
 
 
 @given(data=st.data())
