@@ -125,10 +125,14 @@ class _Chunk:
             if dvalues is not None:
                 dv[:, self.spec.start:self.spec.stop] += dvalues
             return
+        # index_put_(accumulate=True), not index_add_: on CUDA index_add_ sums duplicate tokens with atomics in
+        # a run-dependent order, while index_put_ sorts the indices and sums each token's terms in a fixed order,
+        # so gradients are bitwise reproducible (gradcheck's reentrancy check and the no-peeking property
+        # compare gradients exactly).
         if dkeys is not None:
-            dk.view(-1, dk.shape[-1]).index_add_(0, self.flat, dkeys.reshape(-1, dk.shape[-1]))
+            dk.view(-1, dk.shape[-1]).index_put_((self.flat,), dkeys.reshape(-1, dk.shape[-1]), accumulate=True)
         if dvalues is not None:
-            dv.view(-1, dv.shape[-1]).index_add_(0, self.flat, dvalues.reshape(-1, dv.shape[-1]))
+            dv.view(-1, dv.shape[-1]).index_put_((self.flat,), dvalues.reshape(-1, dv.shape[-1]), accumulate=True)
 
 
 def _row_max(masked_logits: Tensor) -> Tensor:

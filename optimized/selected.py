@@ -36,6 +36,19 @@ def selected_tokens(indices: Tensor, positions: Tensor, cfg: NSAConfig) -> tuple
     return tokens, valid
 
 
+def selected_reads(indices: Tensor, positions: Tensor, cfg: NSAConfig) -> Tensor:
+    """reads [B, TQ, Hkv]: the valid tokens of the gathered blocks (selected_tokens), counted in query chunks so
+    the [B, C, Hkv, n*l'] token masks stay within CHUNK_ELEMENTS (at T = 64k the whole mask would be 268M
+    elements, and its int64 token indices 2 GiB)."""
+    B, TQ, Hkv, n = indices.shape
+    chunk = auto_chunk_size(TQ, B * Hkv * n * cfg.sel_block * 10)  # int64 tokens + bool masks per element
+    reads = torch.empty((B, TQ, Hkv), dtype=torch.int64, device=indices.device)
+    with torch.no_grad():
+        for q0, q1 in query_chunks(TQ, chunk):
+            reads[:, q0:q1] = selected_tokens(indices[:, q0:q1], positions[q0:q1], cfg)[1].sum(dim=-1)
+    return reads
+
+
 class SelectedKeyPlan:
     """Query chunks; each (query, KV head) reads the gathered tokens of its selected blocks."""
 
@@ -95,9 +108,7 @@ def selected_attention_rows(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cf
 
         o = triton_selected_attention(q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype), indices,
                                       cfg.sel_block).to(compute)
-        with torch.no_grad():
-            reads = selected_tokens(indices, positions, cfg)[1].sum(dim=-1)
-        return o, reads
+        return o, selected_reads(indices, positions, cfg)
     n_tokens = indices.shape[-1] * cfg.sel_block
     if chunk_size is None:
         per_query = B * n_tokens * (cfg.n_kv_heads * (k.shape[-1] + v.shape[-1] + 4) + Hq)

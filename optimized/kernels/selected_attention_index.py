@@ -48,11 +48,17 @@ class InvertedIndex:
         return int(self.slot_end[-1]) if self.split_key.numel() else 0
 
 
-def default_queries_per_item(n_entries: int, n_nonempty_keys: int) -> int:
-    """Twice the mean list length (a power of two, >= 64): typical blocks stay whole, hot blocks are split."""
-    if n_nonempty_keys == 0:
+def default_queries_per_item(n_queries: int, n_selected: int, n_blocks: int) -> int:
+    """Twice the most entries a block's list holds on average, TQ * n / NB (a power of two, >= 64): typical blocks
+    stay whole, hot blocks are split.
+
+    A function of the shapes only, never of which blocks were chosen: the item boundaries of a block's (ascending)
+    query list then do not move when later queries select differently, so dk/dv of a key are summed in the same
+    order whatever the queries after a position did (the no-peeking property compares gradients bit for bit).
+    """
+    if n_blocks == 0:
         return MIN_QUERIES_PER_ITEM
-    return max(MIN_QUERIES_PER_ITEM, triton.next_power_of_2(-(-2 * n_entries // n_nonempty_keys)))
+    return max(MIN_QUERIES_PER_ITEM, triton.next_power_of_2(-(-2 * n_queries * n_selected // n_blocks)))
 
 
 def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
@@ -78,8 +84,7 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
     counts = torch.bincount(key, minlength=n_keys)
     key_end = torch.cumsum(counts, 0)
     key_begin = key_end - counts
-    nonempty = int((counts > 0).sum())
-    per_item = queries_per_item or default_queries_per_item(key.numel(), nonempty)
+    per_item = queries_per_item or default_queries_per_item(TQ, indices.shape[-1], n_blocks)
     items_per_key = (counts + per_item - 1) // per_item
 
     item_key = torch.repeat_interleave(torch.arange(n_keys, device=device), items_per_key)
