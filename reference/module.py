@@ -15,7 +15,7 @@ from .forward import nsa_forward
 
 def rope_angles(positions: Tensor, dim: int, base: float) -> tuple[Tensor, Tensor]:
     """cos, sin [T, dim/2] for rotary embeddings at the given absolute positions."""
-    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
