@@ -46,10 +46,11 @@ def fake_gate(name: str, report_dir: Path, *, exit_code: int = 0, report: dict |
     return GateCommand(name, [sys.executable, "-c", script], (report_dir,), evidence)
 
 
-def preflight(cfg, tmp_path, gate_commands, *, facts=FACTS, code=CODE):
+def preflight(cfg, tmp_path, gate_commands, *, facts=FACTS, code=CODE, parallel=False):
     return run_preflight(cfg=cfg, config_path="configs/x.yaml", overrides=["train.lr=0.001"], resume=False,
                          code=code, facts=facts, gate_commands=gate_commands, records_dir=tmp_path / "records",
-                         check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None})
+                         check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None},
+                         parallel=parallel)
 
 
 def test_all_gates_pass_gives_go(cfg, tmp_path):
@@ -77,6 +78,44 @@ def test_failing_gate_gives_no_go_and_skips_the_rest(cfg, tmp_path):
     conf, sent = record["gates"][3], record["gates"][4]
     assert conf["verdict"] == "FAIL" and conf["detail"] == "exit code 1; last line: last words of conformance-gpu"
     assert sent["verdict"] == "SKIP" and sent["exit_code"] is None
+    assert not marker.exists()
+
+
+def overlap_gate(name: str, tmp_path: Path, *, exit_code: int = 0) -> GateCommand:
+    """A gate that announces itself in a shared folder, then waits (up to 20 s) until the other gate has done the
+    same: it can only finish quickly when both run at the same time."""
+    meet = tmp_path / "meet"
+    script = (f"import pathlib, sys, time\nmeet = pathlib.Path({str(meet)!r}); meet.mkdir(exist_ok=True)\n"
+              f"(meet / {name!r}).write_text('here')\nreport = pathlib.Path({str(tmp_path / name)!r})\n"
+              "report.mkdir(exist_ok=True)\nend = time.time() + 20\n"
+              "while len(list(meet.iterdir())) < 2 and time.time() < end:\n    time.sleep(0.05)\n"
+              "print('met' if len(list(meet.iterdir())) == 2 else 'alone')\n"
+              f"(report / 'r.json').write_text('{{}}')\nsys.exit({exit_code})\n")
+    return GateCommand(name, [sys.executable, "-c", script], (tmp_path / name,),
+                       lambda reports: None if reports else "no report")
+
+
+def test_parallel_gates_run_at_the_same_time_and_keep_the_gate_order(cfg, tmp_path):
+    gates = [overlap_gate("conformance-gpu", tmp_path), overlap_gate("sentinels-gpu", tmp_path)]
+    record, _ = preflight(cfg, tmp_path, gates, parallel=True)
+    assert record["decision"] == GO, record["reasons"]
+    assert [g["name"] for g in record["gates"]] == ["code", "env", "config", "conformance-gpu", "sentinels-gpu"]
+    for gate in record["gates"][3:]:
+        assert Path(gate["log"]).read_text().strip() == "met", "the gates did not run at the same time"
+
+
+def test_parallel_gates_no_go_when_one_fails(cfg, tmp_path):
+    gates = [overlap_gate("conformance-gpu", tmp_path), overlap_gate("sentinels-gpu", tmp_path, exit_code=3)]
+    record, _ = preflight(cfg, tmp_path, gates, parallel=True)
+    assert record["decision"] == NO_GO
+    assert [g["verdict"] for g in record["gates"][3:]] == ["PASS", "FAIL"]
+
+
+def test_parallel_gates_are_skipped_after_a_failed_in_process_gate(cfg, tmp_path):
+    marker = tmp_path / "ran"
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}, marker=marker)]
+    record, _ = preflight(cfg, tmp_path, gates, code=CodeIdentity(None, "unknown", None, "d" * 64), parallel=True)
+    assert record["decision"] == NO_GO and record["gates"][3]["verdict"] == "SKIP"
     assert not marker.exists()
 
 

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -155,6 +156,32 @@ def reusable_gates(previous: dict | None, *, config_hash: str, code: CodeIdentit
             and now_unix - g.started_unix <= policy.GO_RECORD_MAX_AGE_S}
 
 
+def _reused(old: GateResult) -> GateResult:
+    old.detail = f"reused (--reuse-passed) from the run started {utc_iso(old.started_unix)}: {old.detail}"
+    return old
+
+
+def _echo_prefixed(name: str) -> Callable[[str], None]:
+    """Echo a gate's output lines prefixed with its name (gates running at the same time interleave)."""
+    return lambda line: print(f"[{name}] {line}", end="", flush=True)
+
+
+def _run_concurrently(gate_commands: list[GateCommand], done: list[GateResult], reusable: dict[str, GateResult],
+                      run: Callable[[GateCommand, Path], GateResult],
+                      log_path: Callable[[str], Path]) -> list[GateResult]:
+    """--parallel-gates: the subprocess gates all at once (results in gate order). If an in-process gate failed
+    they are all SKIPped, as in the sequential order; reusable PASS gates are not run again."""
+    if any(g.verdict != PASS for g in done):
+        now = time.time()
+        return [GateResult(g.name, SKIP, "not run: an earlier gate failed", now, now, command=g.argv)
+                for g in gate_commands]
+    to_run = [g for g in gate_commands if g.name not in reusable]
+    with ThreadPoolExecutor(max_workers=max(1, len(to_run))) as pool:
+        futures = {g.name: pool.submit(run, g, log_path(g.name)) for g in to_run}
+        return [_reused(reusable[g.name]) if g.name in reusable else futures[g.name].result()
+                for g in gate_commands]
+
+
 def _in_process(name: str, ok: bool, detail: str, started: float) -> GateResult:
     return GateResult(name, PASS if ok else FAIL, detail, started, time.time())
 
@@ -162,10 +189,13 @@ def _in_process(name: str, ok: bool, detail: str, started: float) -> GateResult:
 def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], resume: bool, code: CodeIdentity,
                   facts: EnvFacts, gate_commands: list[GateCommand], records_dir: Path,
                   cwd: Path | None = None, check_config_kwargs: dict | None = None, reuse_from: dict | None = None,
-                  runner: Callable[[GateCommand, Path], GateResult] | None = None) -> tuple[dict, Path]:
+                  runner: Callable[[GateCommand, Path], GateResult] | None = None,
+                  parallel: bool = False) -> tuple[dict, Path]:
     """Run the gates in order (SKIP after the first failure) and return (record, path). The record is rewritten
     after every gate, so a preflight killed mid-way leaves a NO-GO record of the gates it finished; with
-    `reuse_from` (the previous record, --reuse-passed) its still-valid PASS subprocess gates are not run again."""
+    `reuse_from` (the previous record, --reuse-passed) its still-valid PASS subprocess gates are not run again.
+    parallel (--parallel-gates): the subprocess gates (conformance-gpu, sentinels-gpu) run at the same time
+    after the in-process ones; the decision rule is unchanged (GO only if every gate passed)."""
     started = time.time()
     config_hash = cfg.config_hash()
     gates: list[GateResult] = []
@@ -202,17 +232,22 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
     gates.append(_in_process("config", verdict.ok, "; ".join(f"[{f.rule}] {f.message}" for f in verdict.findings)
                              or f"all rules pass ({verdict.parameters:,} parameters)", t0))
 
-    run = runner or (lambda gate, log_path: run_gate_command(gate, log_path, cwd=cwd or REPO_ROOT))
-    for gate in gate_commands:
+    def run_subprocess(gate: GateCommand, log_path: Path) -> GateResult:
+        echo = {"echo": _echo_prefixed(gate.name)} if parallel else {}
+        return run_gate_command(gate, log_path, cwd=cwd or REPO_ROOT, **echo)
+
+    run = runner or run_subprocess
+    if parallel:
+        save()
+        gates += _run_concurrently(gate_commands, gates, reusable, run, lambda g: records_dir / f"{config_hash}.{g}.log")
+    for gate in [] if parallel else gate_commands:
         save()
         if any(g.verdict != PASS for g in gates):
             now = time.time()
             gates.append(GateResult(gate.name, SKIP, "not run: an earlier gate failed", now, now,
                                     command=gate.argv))
         elif gate.name in reusable:
-            old = reusable[gate.name]
-            old.detail = f"reused (--reuse-passed) from the run started {utc_iso(old.started_unix)}: {old.detail}"
-            gates.append(old)
+            gates.append(_reused(reusable[gate.name]))
         else:
             gates.append(run(gate, records_dir / f"{config_hash}.{gate.name}.log"))
 
