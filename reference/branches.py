@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .config import NSAConfig
+from .documents import concat_documents, document_spans
 from .primitives import attend, gather_rows
 
 
@@ -70,11 +71,27 @@ def window_attention_rows(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig,
     return _branch_rows(q, k, v, cfg, positions, lambda b, iq, p, g: window_tokens(p, cfg))
 
 
-def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig) -> Tensor:
-    """Eq. 12 branch for prefill queries 0..T-1: o_slc [B, T, Hq, d_v]."""
+def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig, *,
+                       cu_seqlens: Tensor | None = None) -> Tensor:
+    """Eq. 12 branch for prefill queries 0..T-1: o_slc [B, T, Hq, d_v].
+
+    Packed (cu_seqlens, B = 1): each document alone; index j of a query in document [s, e) means its tokens
+    s + j*l' .. s + (j+1)*l' - 1, clipped to <= the query's position."""
+    if cu_seqlens is not None:
+        spans = document_spans(cu_seqlens, "q", q, k=k, v=v, indices=indices)
+        pieces = [selected_attention(q[:, s:e], k[:, s:e], v[:, s:e], indices[:, s:e], cfg)
+                  for s, e in spans if e > s]
+        return concat_documents(pieces, q.new_zeros((1, 0, q.shape[2], v.shape[-1])))
     return selected_attention_rows(q, k, v, indices, cfg, list(range(q.shape[1])))[0]
 
 
-def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig) -> Tensor:
-    """Sliding-window branch for prefill queries 0..T-1: o_win [B, T, Hq, d_v]."""
+def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None = None) -> Tensor:
+    """Sliding-window branch for prefill queries 0..T-1: o_win [B, T, Hq, d_v].
+
+    Packed (cu_seqlens, B = 1): each document alone, so a query at p in document [s, e) reads keys
+    max(s, p - w + 1) .. p (p - w with window_keys="w+1")."""
+    if cu_seqlens is not None:
+        spans = document_spans(cu_seqlens, "q", q, k=k, v=v)
+        pieces = [window_attention(q[:, s:e], k[:, s:e], v[:, s:e], cfg) for s, e in spans if e > s]
+        return concat_documents(pieces, q.new_zeros((1, 0, q.shape[2], v.shape[-1])))
     return window_attention_rows(q, k, v, cfg, list(range(q.shape[1])))[0]

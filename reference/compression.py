@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .config import NSAConfig
 from .contract import PhiMLPWeights, PhiWeights
+from .documents import concat_documents, document_spans
 from .primitives import attend, gather_rows
 
 
@@ -46,9 +47,17 @@ def phi_mlp(block: Tensor, w: PhiMLPWeights) -> Tensor:
     return w.w2.T @ hidden + w.b2
 
 
-def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> tuple[Tensor, Tensor]:
+def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+             cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Eq. 7 for every complete block: k [B, T, Hkv, d_k], v [B, T, Hkv, d_v] ->
-    (k_cmp [B, N, Hkv, d_k], v_cmp [B, N, Hkv, d_v]) with N = number of complete blocks in T."""
+    (k_cmp [B, N, Hkv, d_k], v_cmp [B, N, Hkv, d_v]) with N = number of complete blocks in T.
+
+    Packed (cu_seqlens, B = 1): each document compressed alone, so no block straddles a boundary; document i's
+    N_i compressed tokens follow those of documents 0..i-1 (N = sum N_i)."""
+    if cu_seqlens is not None:
+        spans = document_spans(cu_seqlens, "k", k, v=v)
+        parts = [compress(k[:, s:e], v[:, s:e], cfg, phi) for s, e in spans]
+        return torch.cat([kc for kc, _ in parts], dim=1), torch.cat([vc for _, vc in parts], dim=1)
     if cfg.phi == "mlp" and phi is None:
         raise ValueError("NSAConfig.phi='mlp' needs phi weights (a PhiWeights); got phi=None")
     B, T, H, _ = k.shape
@@ -111,7 +120,32 @@ def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAC
     return torch.stack(outs), torch.tensor(reads, dtype=torch.int64)
 
 
-def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig) -> Tensor:
+def compressed_spans(spans: list[tuple[int, int]], k_cmp: Tensor, cfg: NSAConfig) -> list[tuple[int, int]]:
+    """Where each document's compressed tokens lie in a packed k_cmp [1, N, ...]: document i's
+    compressed_block_count(L_i) tokens follow those of documents 0..i-1. ValueError if k_cmp holds another N."""
+    out, start = [], 0
+    for s, e in spans:
+        count = compressed_block_count(e - s, cfg)
+        out.append((start, start + count))
+        start += count
+    if k_cmp.shape[0] != 1 or k_cmp.shape[1] != start:
+        raise ValueError(f"k_cmp/v_cmp of a packed batch must be [1, N, Hkv, D] with N = {start}, the compressed "
+                         f"tokens of the documents of cu_seqlens (packed per document); got {tuple(k_cmp.shape)}")
+    return out
+
+
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,
+                         cu_seqlens: Tensor | None = None) -> Tensor:
     """Compressed branch for prefill queries at positions 0..T-1: o_cmp [B, T, Hq, d_v].
-    A query with no visible compressed block gets exactly 0."""
+    A query with no visible compressed block gets exactly 0.
+
+    Packed (cu_seqlens, B = 1): k_cmp, v_cmp packed per document as compress returns them; each document's
+    queries attend to its own compressed tokens alone, at positions relative to its start."""
+    if cu_seqlens is not None:
+        spans = document_spans(cu_seqlens, "q", q)
+        if tuple(v_cmp.shape[:2]) != tuple(k_cmp.shape[:2]):
+            raise ValueError(f"v_cmp {tuple(v_cmp.shape)} and k_cmp {tuple(k_cmp.shape)} differ in [B, N]")
+        pieces = [compressed_attention(q[:, s:e], k_cmp[:, cs:ce], v_cmp[:, cs:ce], cfg)
+                  for (s, e), (cs, ce) in zip(spans, compressed_spans(spans, k_cmp, cfg)) if e > s]
+        return concat_documents(pieces, q.new_zeros((1, 0, q.shape[2], v_cmp.shape[-1])))
     return compressed_attention_rows(q, k_cmp, v_cmp, cfg, list(range(q.shape[1])))[0]

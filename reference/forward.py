@@ -3,12 +3,14 @@ Eq. 6 reads counted from the index sets each branch gathered."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .branches import selected_attention_rows, window_attention_rows
 from .compression import compress, compressed_attention_rows
 from .config import NSAConfig
-from .contract import BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
+from .contract import BRANCHES, KV, BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
+from .documents import document_spans
 from .selection import select_blocks_rows, selection_scores_rows
 
 
@@ -36,12 +38,43 @@ def _forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: P
     )
 
 
-def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> NSAOutput:
-    """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch."""
+def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+                cu_seqlens: Tensor | None = None) -> NSAOutput:
+    """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch.
+
+    Packed (cu_seqlens, B = 1): every document runs alone (positions, blocks, forced blocks and windows restart
+    at its start) and the results are concatenated: indices are document-relative, reads counted per document."""
     check_inputs(q, kv, gates, cfg)
     if q.shape[1] == 0:
         raise ValueError("q must hold at least one position (T >= 1)")
+    if cu_seqlens is not None:
+        spans = document_spans(cu_seqlens, "q", q)
+        return concat_outputs([nsa_forward(q[:, s:e], document_kv(kv, s, e), gates[:, s:e], cfg, phi)
+                               for s, e in spans if e > s])
     return _forward_rows(q, kv, gates, cfg, phi, list(range(q.shape[1])))
+
+
+def document_kv(kv: BranchKV, start: int, end: int) -> BranchKV:
+    """Every branch's keys/values of the tokens start..end-1 (one document of a packed batch)."""
+    return BranchKV(*(KV(kv.branch(name).k[:, start:end], kv.branch(name).v[:, start:end])
+                      for name in BRANCHES))
+
+
+def concat_outputs(outputs: list[NSAOutput]) -> NSAOutput:
+    """The NSAOutputs of consecutive documents (at least one) as one packed NSAOutput, documents in order."""
+
+    def cat(get) -> Tensor:
+        return torch.cat([get(out) for out in outputs], dim=1)
+
+    return NSAOutput(
+        o=cat(lambda out: out.o),
+        indices=cat(lambda out: out.indices),
+        o_cmp=cat(lambda out: out.o_cmp),
+        o_slc=cat(lambda out: out.o_slc),
+        o_win=cat(lambda out: out.o_win),
+        reads=Reads(cmp=cat(lambda out: out.reads.cmp), slc=cat(lambda out: out.reads.slc),
+                    win=cat(lambda out: out.reads.win)),
+    )
 
 
 def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> NSAOutput:

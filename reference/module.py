@@ -11,6 +11,7 @@ from torch import Tensor
 from .config import NSAConfig
 from .contract import KV, BRANCHES, BranchKV, NSAOutput, PhiMLPWeights, PhiWeights
 from .forward import nsa_forward
+from .packing import check_cu_seqlens
 
 
 def rope_angles(positions: Tensor, dim: int, base: float) -> tuple[Tensor, Tensor]:
@@ -30,6 +31,21 @@ def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
     sin = sin.to(x.dtype)[None, :, None, :]
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def token_positions(n_tokens: int, position_offset: int, cu_seqlens: Tensor | None, batch: int,
+                    device: torch.device) -> Tensor:
+    """RoPE position of every token [T]: position_offset + t, or, in a packed batch (cu_seqlens), t - start of
+    its document (positions restart at each document start; position_offset must then be 0)."""
+    if cu_seqlens is None:
+        return torch.arange(position_offset, position_offset + n_tokens, device=device)
+    if position_offset != 0:
+        raise ValueError(f"position_offset must be 0 when cu_seqlens is given (positions restart at each document "
+                         f"start), got {position_offset}")
+    positions: list[int] = []
+    for start, end in check_cu_seqlens(cu_seqlens, n_tokens, batch):
+        positions.extend(range(end - start))
+    return torch.tensor(positions, dtype=torch.int64, device=device)
 
 
 class PhiMLP(nn.Module):
@@ -78,19 +94,22 @@ class NSAAttention(nn.Module):
         self.o_proj = nn.Linear(Hq * dv, hidden_size, bias=False)
 
     # The functional NSA this module calls; optimized.NSAAttention overrides it.
-    def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None) -> NSAOutput:
-        return nsa_forward(q, kv, gates, self.cfg, phi)
+    def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
+                           cu_seqlens: Tensor | None = None) -> NSAOutput:
+        return nsa_forward(q, kv, gates, self.cfg, phi, cu_seqlens=cu_seqlens)
 
     def phi_weights(self) -> PhiWeights | None:
         if self.cfg.phi != "mlp":
             return None
         return PhiWeights(k=self.phi_k.weights(), v=self.phi_v.weights())
 
-    def project(self, x: Tensor, position_offset: int = 0) -> tuple[Tensor, BranchKV, Tensor]:
-        """q [B,T,Hq,dk] (rotated), kv per branch (k rotated, v not), gates [B,T,Hq,3] in [0, 1]."""
+    def project(self, x: Tensor, position_offset: int = 0, *,
+                cu_seqlens: Tensor | None = None) -> tuple[Tensor, BranchKV, Tensor]:
+        """q [B,T,Hq,dk] (rotated), kv per branch (k rotated, v not), gates [B,T,Hq,3] in [0, 1].
+        Packed (cu_seqlens, B = 1): RoPE positions restart at each document start."""
         B, T, _ = x.shape
         cfg = self.cfg
-        positions = torch.arange(position_offset, position_offset + T, device=x.device)
+        positions = token_positions(T, position_offset, cu_seqlens, B, x.device)
         q = apply_rope(self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim_qk), positions, self.rope_base)
         kvs = {}
         for branch in BRANCHES:
@@ -100,12 +119,15 @@ class NSAAttention(nn.Module):
         gates = torch.sigmoid(self.gate(x)).view(B, T, cfg.n_heads, 3)
         return q, BranchKV(**kvs), gates
 
-    def attention(self, x: Tensor, position_offset: int = 0) -> NSAOutput:
+    def attention(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> NSAOutput:
         """The NSA output object (branch outputs, indices, reads) before the output projection."""
-        q, kv, gates = self.project(x, position_offset)
-        return self.functional_forward(q, kv, gates, self.phi_weights())
+        q, kv, gates = self.project(x, position_offset, cu_seqlens=cu_seqlens)
+        if cu_seqlens is None:  # a subclass whose functional_forward predates packing still runs unpacked input
+            return self.functional_forward(q, kv, gates, self.phi_weights())
+        return self.functional_forward(q, kv, gates, self.phi_weights(), cu_seqlens=cu_seqlens)
 
-    def forward(self, x: Tensor, position_offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; packed documents (cu_seqlens, B = 1) never attend to each other."""
         B, T, _ = x.shape
-        o = self.attention(x, position_offset).o
+        o = self.attention(x, position_offset, cu_seqlens=cu_seqlens).o
         return self.o_proj(o.reshape(B, T, -1))

@@ -7,8 +7,9 @@ import math
 import torch
 from torch import Tensor
 
-from .compression import visible_compressed_blocks
+from .compression import compressed_spans, visible_compressed_blocks
 from .config import NSAConfig
+from .documents import concat_documents, document_spans
 from .primitives import softmax_row
 
 
@@ -78,11 +79,28 @@ def selection_scores_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: l
     return out
 
 
-def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig) -> Tensor:
-    """Eq. 8-10 for prefill queries 0..T-1: float64 [B, T, Hkv, ceil(T / l')], -inf for blocks after J."""
+def selection_block_count(n_tokens: int, cfg: NSAConfig) -> int:
+    """ceil(n_tokens / l'): selection blocks of a sequence of n_tokens tokens (the last may be partial)."""
+    return -(-n_tokens // cfg.sel_block)
+
+
+def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None = None) -> Tensor:
+    """Eq. 8-10 for prefill queries 0..T-1: float64 [B, T, Hkv, ceil(T / l')], -inf for blocks after J.
+
+    Packed (cu_seqlens, B = 1; k_cmp packed per document): each document scored alone, its column j being its
+    own selection block j; padded with -inf to NB = max_i ceil(L_i / l') columns."""
+    if cu_seqlens is not None:
+        spans = document_spans(cu_seqlens, "q", q)
+        n_columns = max(selection_block_count(e - s, cfg) for s, e in spans)
+        pieces = []
+        for (s, e), (cs, ce) in zip(spans, compressed_spans(spans, k_cmp, cfg)):
+            if e > s:
+                own = selection_scores(q[:, s:e], k_cmp[:, cs:ce], cfg)
+                padding = torch.full((*own.shape[:3], n_columns - own.shape[3]), -math.inf, dtype=own.dtype)
+                pieces.append(torch.cat([own, padding], dim=3))
+        return concat_documents(pieces, torch.zeros((1, 0, cfg.n_kv_heads, n_columns), dtype=torch.float64))
     T = q.shape[1]
-    n_sel_blocks = -(-T // cfg.sel_block)
-    return selection_scores_rows(q, k_cmp, cfg, list(range(T)), n_sel_blocks)
+    return selection_scores_rows(q, k_cmp, cfg, list(range(T)), selection_block_count(T, cfg))
 
 
 def forced_blocks(J: int, cfg: NSAConfig) -> list[int]:
@@ -127,6 +145,19 @@ def select_blocks_rows(scores: Tensor, cfg: NSAConfig, positions: list[int]) -> 
     return out
 
 
-def select_blocks(scores: Tensor, cfg: NSAConfig) -> Tensor:
-    """Eq. 11 for prefill queries 0..T-1: indices [B, T, Hkv, n] int64, ascending, padded with -1."""
+def select_blocks(scores: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None = None) -> Tensor:
+    """Eq. 11 for prefill queries 0..T-1: indices [B, T, Hkv, n] int64, ascending, padded with -1.
+
+    Packed (cu_seqlens, B = 1; scores as the packed selection_scores gives them): each document selects alone
+    from its own first ceil(L_i / l') columns; indices are document-relative block numbers (forced blocks
+    0..n_init-1 and J-n_local+1..J with J = (p - start) // l')."""
+    if cu_seqlens is not None:
+        spans = document_spans(cu_seqlens, "scores", scores)
+        n_columns = max(selection_block_count(e - s, cfg) for s, e in spans)
+        if scores.ndim != 4 or scores.shape[3] < n_columns:
+            raise ValueError(f"scores of a packed batch must be [1, T, Hkv, NB] with NB >= {n_columns} "
+                             f"(max_i ceil(L_i / l') over cu_seqlens' documents), got {tuple(scores.shape)}")
+        pieces = [select_blocks(scores[:, s:e, :, : selection_block_count(e - s, cfg)], cfg)
+                  for s, e in spans if e > s]
+        return concat_documents(pieces, torch.full((1, 0, scores.shape[2], cfg.n_sel), -1, dtype=torch.int64))
     return select_blocks_rows(scores, cfg, list(range(scores.shape[1])))
