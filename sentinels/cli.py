@@ -35,11 +35,12 @@ def device_slug() -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     from .trainer import Trainer, TrainerError
 
-    cfg = load_config(args.config, args.override)
+    overrides = list(args.override) + ([f"data.packing={args.packing}"] if args.packing else [])
+    cfg = load_config(args.config, overrides)
     try:
         trainer = Trainer(cfg, resume=args.resume, synthetic_on_fail=args.synthetic_on_fail,
                           i_know_what_im_doing=args.i_know_what_im_doing,
-                          extra_metadata={"config_path": str(args.config), "overrides": args.override})
+                          extra_metadata={"config_path": str(args.config), "overrides": overrides})
     except TrainerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from a run config")
     train.add_argument("--config", required=True)
     train.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    train.add_argument("--packing", choices=("contiguous", "varlen"),
+                       help="data.packing: contiguous token windows, or varlen = documents packed into one row per "
+                            "micro-batch with their boundaries (cu_seqlens); same as -o data.packing=...")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.out_dir")
     train.add_argument("--i-know-what-im-doing", action="store_true",
                        help="start a run of >= 5000 steps without a valid GO record (docs/runbook.md); the override "

@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
 
 ATTENTION_IMPLS = ("optimized", "reference")
-DEBUG_LEAKS = ("none", "kv_next_token", "cmp_block_early")
+DEBUG_LEAKS = ("none", "kv_next_token", "cmp_block_early", "cross_document")
+PACKINGS = ("contiguous", "varlen")
 GATE_OVERRIDES = ("none", "locals_only", "saturated")
 DATA_SOURCES = ("synthetic", "jsonl", "text", "fineweb")
 SYNTHETIC_TASKS = ("uniform", "needle_recall")
@@ -46,10 +47,12 @@ def _require(cond: bool, key: str, rule: str, value: Any) -> None:
 class DebugConfig:
     """DEBUG switches that plant faults for the sentinel self-test. Never set them in a real run."""
 
-    leak: Literal["none", "kv_next_token", "cmp_block_early"] = "none"
+    leak: Literal["none", "kv_next_token", "cmp_block_early", "cross_document"] = "none"
     # kv_next_token: every branch's keys/values at position p are those of p+1 (attention sees the next token).
     # cmp_block_early: the compressed branch's keys/values are shifted by cmp_stride positions, so compressed
     # block i (Eq. 7, visible once i*d+l-1 <= p) holds tokens up to i*d+l-1+d: it becomes visible d tokens early.
+    # cross_document (data.packing varlen): the NSA call gets no cu_seqlens, so attention runs over the whole
+    # packed row and every document sees the documents packed before it.
     gate_override: Literal["none", "locals_only", "saturated"] = "none"
     # locals_only: g_cmp = g_slc = 0 (Eq. 5 keeps only the sliding window); saturated: every gate = 1.
 
@@ -102,11 +105,17 @@ class SyntheticConfig:
     task: Literal["uniform", "needle_recall"] = "uniform"
     vocab_size: int = 64  # token ids 0..vocab_size-1 (used when data.source is synthetic)
     n_values: int = 16  # needle_recall: number of distinct answer tokens (chance accuracy 1/n_values)
+    # data.packing varlen: document lengths are drawn uniformly from [doc_len_min, doc_len_max] tokens
+    doc_len_min: int = 8
+    doc_len_max: int = 96
 
     def validate(self, key: str) -> None:
         _require(self.task in SYNTHETIC_TASKS, f"{key}.task", f"must be one of {SYNTHETIC_TASKS}", self.task)
         _require(self.vocab_size >= 2, f"{key}.vocab_size", "must be >= 2", self.vocab_size)
         _require(self.n_values >= 2, f"{key}.n_values", "must be >= 2", self.n_values)
+        _require(self.doc_len_min >= 1, f"{key}.doc_len_min", "must be >= 1", self.doc_len_min)
+        _require(self.doc_len_max >= self.doc_len_min, f"{key}.doc_len_max", "must be >= doc_len_min",
+                 self.doc_len_max)
         if self.task == "needle_recall":
             _require(self.vocab_size >= self.n_values + 3, f"{key}.vocab_size",
                      "needle_recall needs vocab_size >= n_values + 3 (values, filler, BOS, QUERY)", self.vocab_size)
@@ -135,6 +144,11 @@ class FinewebConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: Literal["synthetic", "jsonl", "text", "fineweb"] = "synthetic"
+    # contiguous: windows of one token stream (documents joined by EOS; attention crosses documents).
+    # varlen: each micro-batch is ONE packed row of micro_batch_size * seq_len tokens holding whole documents
+    # with their boundaries (cu_seqlens, reference/packing.py): attention, positions and labels stay inside a
+    # document, and the last token of each document has the ignore label (sentinels/data/packing.py).
+    packing: Literal["contiguous", "varlen"] = "contiguous"
     paths: list[str] = field(default_factory=list)  # jsonl/text files ({"text": ...} per line / one doc per line)
     tokenizer: Literal["byte", "gpt2"] = "byte"
     shuffle_seed: int = 0
@@ -144,6 +158,10 @@ class DataConfig:
     def validate(self, key: str) -> None:
         _require(self.source in DATA_SOURCES, f"{key}.source", f"must be one of {DATA_SOURCES}", self.source)
         _require(self.tokenizer in TOKENIZERS, f"{key}.tokenizer", f"must be one of {TOKENIZERS}", self.tokenizer)
+        _require(self.packing in PACKINGS, f"{key}.packing", f"must be one of {PACKINGS}", self.packing)
+        if self.packing == "varlen" and self.source == "synthetic":
+            _require(self.synthetic.task == "uniform", f"{key}.synthetic.task",
+                     "data.packing varlen packs synthetic documents of the 'uniform' task only", self.synthetic.task)
         if self.source in ("jsonl", "text"):
             _require(len(self.paths) > 0, f"{key}.paths", f"must list at least one file for source {self.source!r}",
                      self.paths)
@@ -259,6 +277,10 @@ class RunConfig:
         self.data.validate("data")
         self.train.validate("train")
         self.monitors.validate("monitors")
+        if self.model.debug.leak == "cross_document":
+            _require(self.data.packing == "varlen", "model.debug.leak",
+                     "cross_document drops the document boundaries of data.packing varlen (set data.packing: varlen)",
+                     self.model.debug.leak)
 
     # ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -300,8 +322,10 @@ class RunConfig:
             "seq_len": self.train.seq_len,
             "sel_block": nsa.sel_block,
             "tokens_per_step_per_rank": self.train.seq_len * self.train.micro_batch_size * self.train.grad_accum,
+            # varlen: one packed row of micro_batch_size * seq_len tokens per micro-step (same token count)
             "tokenizer": self.data.tokenizer,
             "data_source": self.data.source,
+            "packing": self.data.packing,
             "vocab_size": self.vocab_size(),
             "parameters": count_parameters_for(self),
             "attention": self.model.attention,

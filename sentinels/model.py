@@ -6,6 +6,11 @@ o_proj) so that it can
   * record gate statistics (Eq. 5 gates g^c, computed inside the module) and selection statistics
     (distinct selected blocks, Eq. 6 reads counted by the implementation) of the last forward, and
   * apply the DEBUG switches of the sentinel self-test (planted leaks, gate overrides; config.DebugConfig).
+
+Packed documents (data.packing varlen): the model takes cu_seqlens (batch size 1, reference/packing.py) and
+every layer hands it to both seams, `project(x, *, cu_seqlens=...)` (RoPE positions restart at each document)
+and `functional_forward(..., cu_seqlens=...)` (NSA never crosses a boundary), so a packed row computes what each
+document alone would.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from reference.config import NSAConfig
 from reference.contract import KV, BRANCHES, BranchKV, NSAOutput
+from reference.packing import check_cu_seqlens
 
 from .config import DebugConfig, ModelConfig, RunConfig
 
@@ -124,24 +130,51 @@ class NSALayerAttention(nn.Module):
             gates = gates * 0 + 1  # keeps the graph; every gate is exactly 1
         return kv, gates
 
-    def forward(self, x: Tensor, position_offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
-        q, kv, gates = self.inner.project(x, position_offset)
+        if cu_seqlens is None:
+            q, kv, gates = self.inner.project(x, position_offset)
+        else:
+            if position_offset != 0:
+                raise ValueError(f"position_offset must be 0 with cu_seqlens (positions restart at each "
+                                 f"document), got {position_offset}")
+            q, kv, gates = self.inner.project(x, cu_seqlens=cu_seqlens)
         kv, gates = self._planted_faults(kv, gates)
         # Everything inside the NSA call runs in the dtype of q (the implementations check dtypes match).
         dtype = q.dtype
         kv = BranchKV(*(KV(b.k.to(dtype), b.v.to(dtype)) for b in (kv.cmp, kv.slc, kv.win)))
-        out: NSAOutput = self.inner.functional_forward(q, kv, gates.to(dtype), self.inner.phi_weights())
-        self.last_stats = _layer_stats(gates, out, self.inner.cfg, T)
+        phi = self.inner.phi_weights()
+        if cu_seqlens is None or self.debug.leak == "cross_document":  # the planted leak drops the boundaries
+            out: NSAOutput = self.inner.functional_forward(q, kv, gates.to(dtype), phi)
+            block_offsets = None
+        else:
+            out = self.inner.functional_forward(q, kv, gates.to(dtype), phi, cu_seqlens=cu_seqlens)
+            block_offsets = _document_block_offsets(cu_seqlens, self.inner.cfg.sel_block)
+        self.last_stats = _layer_stats(gates, out, self.inner.cfg, T, block_offsets)
         return self.inner.o_proj(out.o.reshape(B, T, -1).to(x.dtype))
 
 
+def _document_block_offsets(cu_seqlens: Tensor, sel_block: int) -> tuple[Tensor, int]:
+    """Per position, the number of selection blocks (Eq. 11 blocks of l' tokens) of the documents before its own,
+    and the total: a document-relative block index j becomes a row-wide block id offset + j."""
+    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    blocks = torch.div(ends - starts + sel_block - 1, sel_block, rounding_mode="floor")
+    before = torch.cumsum(blocks, 0) - blocks
+    doc_of = torch.repeat_interleave(torch.arange(len(blocks), device=blocks.device), ends - starts)
+    return before[doc_of], int(blocks.sum())
+
+
 @torch.no_grad()
-def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int) -> LayerStats:
+def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
+                 block_offsets: tuple[Tensor, int] | None = None) -> LayerStats:
     g = gates.detach().float().reshape(-1, 3)
-    idx = out.indices.detach()  # [B, T, Hkv, n], -1 padded
+    idx = out.indices.detach()  # [B, T, Hkv, n], -1 padded; packed: document-relative block numbers
     B, _, Hkv, _ = idx.shape
     n_blocks = max(1, -(-T // cfg.sel_block))
+    if block_offsets is not None:  # packed: block j of a document is a distinct block from block j of another
+        offsets, n_blocks = block_offsets
+        idx = torch.where(idx >= 0, idx + offsets[None, :, None, None], idx)
+        n_blocks = max(1, n_blocks)
     rows = idx.permute(0, 2, 1, 3).reshape(B * Hkv, -1)  # [(b, g), T * n]
     valid = rows >= 0
     flat = torch.where(valid, rows + torch.arange(B * Hkv, device=rows.device)[:, None] * n_blocks,
@@ -162,8 +195,8 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -194,16 +227,19 @@ class NSALanguageModel(nn.Module):
             nn.init.normal_(block.mlp.down_proj.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
             nn.init.normal_(block.attn.inner.o_proj.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """Logits [B, T, vocab] for input ids [B, T]."""
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab] for input ids [B, T]; with cu_seqlens (packed documents, B = 1) every layer keeps
+        the documents apart."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0])
         x = self.embed(input_ids)
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, cu_seqlens, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, cu_seqlens)
         return self.lm_head(self.final_norm(x))
 
     def layer_stats(self) -> list[LayerStats]:

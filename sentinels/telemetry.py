@@ -1,5 +1,6 @@
 """Run-directory telemetry: heartbeat.jsonl (one JSON object per step), metrics.csv, events.jsonl, and a
-console progress bar. Memory columns are MiB (2**20 bytes) of CUDA memory; empty on CPU."""
+console progress bar. Memory columns are MiB (2**20 bytes) of CUDA memory; empty on CPU. `documents` counts the
+packed documents of the step (data.packing varlen); empty for contiguous windows."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .monitors import Event
 log = logging.getLogger("sentinels.train")
 
 CSV_COLUMNS = (
-    "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "dt_fetch_s", "dt_step_s",
+    "step", "loss", "lr", "grad_norm", "tokens", "documents", "tokens_per_s", "dt_fetch_s", "dt_step_s",
     "mem_allocated_mib", "mem_reserved_mib",
     "gate_mean_cmp", "gate_mean_slc", "gate_mean_win", "gate_max_cmp", "gate_max_slc", "gate_max_win",
     "sel_distinct_blocks", "reads_cmp", "reads_slc", "reads_win", "reads_total", "wall_time",

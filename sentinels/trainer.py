@@ -321,6 +321,7 @@ class Trainer:
             "device": str(self.device),
             "precision": {"configured": self.cfg.train.precision, "effective": self.effective_precision},
             "world_size": self.dist.world_size,
+            "packing": self.cfg.data.packing,
             "data": self.data.describe() if hasattr(self.data, "describe") else None,
             "synthetic_on_fail": self.synthetic_on_fail,
             "attention_class": f"{type(self.model.blocks[0].attn.inner).__module__}."
@@ -341,6 +342,13 @@ class Trainer:
         out: list[Any] = [None] * self.dist.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def _sum_over_ranks(self, count: int) -> int:
+        if not self.dist.active:
+            return count
+        t = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return int(t.item())
 
     def _any_rank(self, flag: bool) -> bool:
         if not self.dist.active:
@@ -436,19 +444,22 @@ class Trainer:
         distinct = torch.zeros(n_layers, device=self.device)
         reads = torch.zeros(n_layers, 3, dtype=torch.int64, device=self.device)
         tokens = 0
+        documents = 0  # packed documents (data.packing varlen)
         t_start = time.perf_counter()
         for micro in range(cfg.grad_accum):
             t0 = time.perf_counter()
             batch: Batch = self.data.next_batch()
-            self.recent_batches.append((step, micro, batch.inputs.clone()))
+            self.recent_batches.append((step, micro, batch.inputs.clone(),
+                                        None if batch.cu_seqlens is None else batch.cu_seqlens.clone()))
             batch = batch.to(self.device)
             dt_fetch += time.perf_counter() - t0
             tokens += batch.n_tokens
+            documents += batch.n_documents or 0
             sync = contextlib.nullcontext() if (self.ddp is None or micro == cfg.grad_accum - 1) \
                 else self.ddp.no_sync()
             with sync:
                 with self._autocast():
-                    logits = net(batch.inputs)
+                    logits = net(batch.inputs, batch.cu_seqlens)
                 loss = lm_loss(logits, batch.labels, batch.loss_mask)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
@@ -484,6 +495,7 @@ class Trainer:
             "grad_norm": float(grad_norm.item()),
             "update_skipped": not finite,
             "tokens": tokens * self.dist.world_size,
+            "documents": self._sum_over_ranks(documents) if self.cfg.data.packing == "varlen" else None,
             "tokens_per_s": tokens * self.dist.world_size / max(dt_total, 1e-9),
             "dt_fetch_s": dt_fetch,
             "dt_step_s": dt_total - dt_fetch,
@@ -503,13 +515,17 @@ class Trainer:
     def _dump_recent_batches(self) -> None:
         if not self.dist.is_main:
             return
-        dump = [{"step": s, "micro": m, "inputs": x} for s, m, x in self.recent_batches]
+        dump = [{"step": s, "micro": m, "inputs": x, "cu_seqlens": cu} for s, m, x, cu in self.recent_batches]
         atomic_torch_save(dump, self.run_dir / "loss_floor_dump.pt")
         lines = []
         if self.cfg.data.source != "synthetic":
             tok = get_tokenizer(self.cfg.data.tokenizer)
             for item in dump:
-                for row in item["inputs"].tolist():
+                rows = item["inputs"].tolist()
+                if item["cu_seqlens"] is not None:  # packed: one line per document
+                    bounds = item["cu_seqlens"].tolist()
+                    rows = [rows[0][a:b] for a, b in zip(bounds, bounds[1:])]
+                for row in rows:
                     lines.append(json.dumps({"step": item["step"], "micro": item["micro"], "text": tok.decode(row)}))
         atomic_write_bytes(self.run_dir / "loss_floor_dump.jsonl", "".join(l + "\n" for l in lines).encode())
 

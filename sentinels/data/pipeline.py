@@ -9,6 +9,7 @@ from ..config import RunConfig
 from .batch import Batch
 from .sources import (DataError, LocalCorpus, LocalDocuments, ShardSpec, StreamingDocuments, TokenWindowSource,
                       fineweb_opener)
+from .packing import PackedDocumentSource
 from .synthetic import SyntheticBatchSource
 from .tokenizers import get_tokenizer
 
@@ -21,13 +22,18 @@ def locals_only_reach(cfg: RunConfig) -> int:
     return cfg.model.n_layers * (cfg.model.nsa_config().window_size - 1) + 1
 
 
+def _doc_lengths(cfg: RunConfig) -> tuple[int, int]:
+    return cfg.data.synthetic.doc_len_min, cfg.data.synthetic.doc_len_max
+
+
 def _primary_source(cfg: RunConfig, shard: ShardSpec, opener=None):
     data, train = cfg.data, cfg.train
     if data.source == "synthetic":
         return SyntheticBatchSource(
             data.synthetic.task, vocab_size=data.synthetic.vocab_size, seq_len=train.seq_len,
             batch_size=train.micro_batch_size, seed=data.shuffle_seed, shard=shard.index,
-            n_values=data.synthetic.n_values, reach=locals_only_reach(cfg))
+            n_values=data.synthetic.n_values, reach=locals_only_reach(cfg), packing=data.packing,
+            doc_lengths=_doc_lengths(cfg))
     tokenizer = get_tokenizer(data.tokenizer)
     if data.source in ("jsonl", "text"):
         documents = LocalDocuments(LocalCorpus(data.paths, data.source), data.shuffle_seed, shard)
@@ -37,12 +43,16 @@ def _primary_source(cfg: RunConfig, shard: ShardSpec, opener=None):
         documents = StreamingDocuments(opener, where=f"{fw.name}/{fw.subset}[{fw.split}] shard {shard.index}",
                                        max_retries=fw.max_retries, backoff_initial_s=fw.backoff_initial_s,
                                        backoff_max_s=fw.backoff_max_s)
+    if data.packing == "varlen":
+        return PackedDocumentSource(documents, tokenizer, row_len=train.micro_batch_size * train.seq_len,
+                                    kind=data.source)
     return TokenWindowSource(documents, tokenizer, seq_len=train.seq_len, batch_size=train.micro_batch_size,
                              kind=data.source)
 
 
 class BatchSource:
-    """The configured source; on DataError switches to synthetic uniform tokens only if synthetic_on_fail."""
+    """The configured source; on DataError switches to synthetic uniform tokens only if synthetic_on_fail (packed
+    the same way as the configured source: data.packing)."""
 
     def __init__(self, cfg: RunConfig, shard: ShardSpec, *, synthetic_on_fail: bool,
                  on_fallback: Callable[[str], None] | None = None, opener=None):
@@ -68,7 +78,8 @@ class BatchSource:
         self.fallback = SyntheticBatchSource("uniform", vocab_size=self.cfg.vocab_size(),
                                              seq_len=self.cfg.train.seq_len,
                                              batch_size=self.cfg.train.micro_batch_size,
-                                             seed=self.cfg.data.shuffle_seed, shard=self.shard.index)
+                                             seed=self.cfg.data.shuffle_seed, shard=self.shard.index,
+                                             packing=self.cfg.data.packing, doc_lengths=_doc_lengths(self.cfg))
         if self.on_fallback is not None:
             self.on_fallback(reason)
 

@@ -298,4 +298,5 @@ class TokenWindowSource:
         return self.documents.quality
 
     def describe(self) -> dict:
-        return {"source": self.kind, "tokenizer": self.tokenizer.name, "quality": self.quality.as_dict()}
+        return {"source": self.kind, "packing": "contiguous", "tokenizer": self.tokenizer.name,
+                "quality": self.quality.as_dict()}

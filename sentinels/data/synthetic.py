@@ -10,6 +10,10 @@ reach = n_layers * (window_size - 1) + 1 (data.pipeline.locals_only_reach): no s
 (layer after layer) lets a QUERY position see a VALUE. The loss counts only the QUERY
 positions, whose label is the VALUE: chance is ln(n_values) nats, and only attention that reaches beyond the
 window (the compressed or selected branch) can do better.
+
+packing "varlen" (uniform task only): each batch is one packed row of batch_size * seq_len i.i.d. uniform tokens
+cut into documents whose lengths are drawn uniformly from [doc_len_min, doc_len_max] (the last one cut at the
+row's end), with those boundaries as cu_seqlens.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 import torch
 
 from .batch import Batch
+from .packing import cu_seqlens_of
 
 
 def counter_generator(seed: int, shard: int, counter: int) -> torch.Generator:
@@ -59,20 +64,42 @@ def needle_recall_batch(gen: torch.Generator, batch: int, seq_len: int, vocab: i
     return Batch.from_windows(windows, loss_mask=loss_mask)
 
 
+def uniform_documents_row(gen: torch.Generator, row_len: int, vocab: int, doc_len_min: int,
+                          doc_len_max: int) -> Batch:
+    """One packed row of uniform tokens; document lengths uniform in [doc_len_min, doc_len_max]."""
+    lengths: list[int] = []
+    filled = 0
+    while filled < row_len:
+        length = min(int(torch.randint(doc_len_min, doc_len_max + 1, (1,), generator=gen)), row_len - filled)
+        lengths.append(length)
+        filled += length
+    tokens = torch.randint(0, vocab, (row_len,), generator=gen)
+    return Batch.packed(tokens, cu_seqlens_of(lengths))
+
+
 class SyntheticBatchSource:
     """Batches of a synthetic task; state = the number of batches drawn."""
 
     def __init__(self, task: str, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, shard: int,
-                 n_values: int = 16, reach: int = 0):
+                 n_values: int = 16, reach: int = 0, packing: str = "contiguous",
+                 doc_lengths: tuple[int, int] = (8, 96)):
         if task not in ("uniform", "needle_recall"):
             raise ValueError(f"data.synthetic.task must be 'uniform' or 'needle_recall', got {task!r}")
+        if packing not in ("contiguous", "varlen") or (packing == "varlen" and task != "uniform"):
+            raise ValueError(f"data.packing {packing!r} with synthetic task {task!r}: varlen packs the uniform "
+                             f"task only")
+        if not 1 <= doc_lengths[0] <= doc_lengths[1]:
+            raise ValueError(f"synthetic document lengths need 1 <= doc_len_min <= doc_len_max, got {doc_lengths}")
         self.task, self.vocab_size, self.seq_len, self.batch_size = task, vocab_size, seq_len, batch_size
         self.seed, self.shard, self.n_values, self.reach = seed, shard, n_values, reach
+        self.packing, self.doc_lengths = packing, doc_lengths
         self.counter = 0
 
     def next_batch(self) -> Batch:
         gen = counter_generator(self.seed, self.shard, self.counter)
         self.counter += 1
+        if self.packing == "varlen":
+            return uniform_documents_row(gen, self.batch_size * self.seq_len, self.vocab_size, *self.doc_lengths)
         if self.task == "uniform":
             return Batch.from_windows(uniform_windows(gen, self.batch_size, self.seq_len, self.vocab_size))
         return needle_recall_batch(gen, self.batch_size, self.seq_len, self.vocab_size, self.n_values, self.reach)
@@ -86,4 +113,7 @@ class SyntheticBatchSource:
         self.counter = int(state["counter"])
 
     def describe(self) -> dict:
-        return {"source": "synthetic", "task": self.task, "vocab_size": self.vocab_size}
+        out = {"source": "synthetic", "task": self.task, "vocab_size": self.vocab_size, "packing": self.packing}
+        if self.packing == "varlen":
+            out["doc_lengths"] = list(self.doc_lengths)
+        return out
