@@ -9,6 +9,7 @@ from reference.config import NSAConfig
 
 from . import masks
 from .checks import check_branch_inputs
+from .documents import Documents, check_packed_compressed, documents, visible_compressed
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
 
 
@@ -34,26 +35,58 @@ class CompressedKeyPlan:
         return SharedKeys(start, stop, visible[:, start:stop])
 
 
+class PackedCompressedKeyPlan:
+    """Packed batch: query chunks; each reads the packed compressed tokens of the documents its queries lie in,
+    masked per query by documents.visible_compressed (own document only, Eq. 7 visibility at the relative
+    position)."""
+
+    def __init__(self, positions: Tensor, docs: Documents, cfg: NSAConfig, chunk_size: int):
+        self.positions = positions
+        self.docs = docs
+        self.cfg = cfg
+        self.chunk_size = chunk_size
+
+    def chunks(self) -> list[tuple[int, int]]:
+        return query_chunks(self.positions.shape[0], self.chunk_size)
+
+    def keys(self, q0: int, q1: int) -> SharedKeys:
+        pos = self.positions[q0:q1]
+        start, stop = self.docs.cmp_range(pos)
+        cmp_tokens = torch.arange(start, stop, device=pos.device)
+        return SharedKeys(start, stop, visible_compressed(self.docs, cmp_tokens, pos, self.cfg))
+
+
 def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, positions: Tensor, *,
-                              chunk_size: int | None = None,
-                              compute: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+                              chunk_size: int | None = None, compute: torch.dtype | None = None,
+                              docs: Documents | None = None) -> tuple[Tensor, Tensor]:
     """Compressed branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ]:
     (o_cmp [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = visible compressed blocks counted from the
     mask applied).
-    compute: see masked_attention."""
+    compute: see masked_attention. docs: the layout of a packed batch (positions are packed token positions,
+    k_cmp/v_cmp the packed compressed tokens), None for independent rows."""
     B, TQ, Hq, _ = q.shape
     n_blocks = k_cmp.shape[1]
     if chunk_size is None:
         chunk_size = auto_chunk_size(TQ, B * Hq * max(n_blocks, 1))
-    plan = CompressedKeyPlan(positions, n_blocks, cfg, chunk_size)
+    if docs is None:
+        plan = CompressedKeyPlan(positions, n_blocks, cfg, chunk_size)
+    else:
+        plan = PackedCompressedKeyPlan(positions, docs, cfg, chunk_size)
     return masked_attention(plan, q, k_cmp, v_cmp, compute=compute)
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,
-                         chunk_size: int | None = None) -> Tensor:
+                         chunk_size: int | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
     """Compressed branch for prefill queries at positions 0..T-1: o_cmp [B, T, Hq, d_v].
-    A query with no visible compressed block gets exactly 0."""
+    A query with no visible compressed block gets exactly 0.
+    cu_seqlens (packed batch, B = 1): k_cmp/v_cmp hold the packed compressed tokens of compress(..., cu_seqlens);
+    a query reads only its own document's blocks, visible at its document-relative position."""
     check_branch_inputs("compressed_attention", q, k_cmp, v_cmp, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    return compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size)[0].to(q.dtype)
+    docs = None
+    if cu_seqlens is not None:
+        docs = documents(cu_seqlens, q.shape[1], q.shape[0], cfg, q.device)
+        check_packed_compressed("k_cmp", k_cmp, docs)
+    return compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size,
+                                     docs=docs)[0].to(q.dtype)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -9,6 +10,7 @@ from reference.config import NSAConfig
 from reference.contract import PhiMLPWeights, PhiWeights
 
 from . import masks
+from .documents import Documents, documents
 from .masked_attention import compute_dtype
 
 
@@ -21,6 +23,14 @@ def block_windows(x: Tensor, cfg: NSAConfig) -> Tensor:
         return x.new_zeros((B, 0, H, cfg.cmp_block, D))
     used = x[:, : (n_blocks - 1) * cfg.cmp_stride + cfg.cmp_block]
     return used.unfold(1, cfg.cmp_block, cfg.cmp_stride).transpose(-1, -2)
+
+
+def packed_block_windows(x: Tensor, docs: Documents, cfg: NSAConfig) -> Tensor:
+    """The compressed blocks of a packed batch x [1, T, H, D] as [1, Nc, H, l, D]: packed compressed token c holds
+    rows cmp_first_token[c] .. + l - 1, all inside its document (Eq. 7 blocks never straddle a boundary).
+    Gathered (a copy), not a view: block starts are not evenly spaced across documents."""
+    rows = docs.cmp_first_token[:, None] + torch.arange(cfg.cmp_block, device=x.device)  # [Nc, l]
+    return x[:, rows].transpose(2, 3)  # [1, Nc, l, H, D] -> [1, Nc, H, l, D]
 
 
 def phi_avg(blocks: Tensor) -> Tensor:
@@ -37,6 +47,12 @@ def phi_mlp(blocks: Tensor, w: PhiMLPWeights) -> Tensor:
     return hidden @ w.w2.to(cd) + w.b2.to(cd)
 
 
+def _check_kv(k: Tensor, v: Tensor) -> None:
+    if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"compress needs k [B,T,Hkv,dk] and v [B,T,Hkv,dv] with equal [B,T,Hkv]; "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
 def _check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None:
     if cfg.phi != "mlp":
         return
@@ -51,20 +67,30 @@ def _check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None
             raise ValueError(f"{name}.w2 must have D = {dim} columns, got {tuple(w.w2.shape)}")
 
 
-def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> tuple[Tensor, Tensor]:
+def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+             cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Eq. 7 for every complete block: k [B, T, Hkv, d_k], v [B, T, Hkv, d_v] ->
-    (k_cmp [B, N, Hkv, d_k], v_cmp [B, N, Hkv, d_v]) with N = number of complete blocks in T, in k's dtype."""
-    k_cmp, v_cmp = compress_unrounded(k, v, cfg, phi)
+    (k_cmp [B, N, Hkv, d_k], v_cmp [B, N, Hkv, d_v]) with N = number of complete blocks in T, in k's dtype.
+    cu_seqlens (packed batch, B = 1): the blocks of each document, packed in document order,
+    N = sum_i N_i (reference.packing.compressed_cu_seqlens)."""
+    docs = None
+    if cu_seqlens is not None:
+        _check_kv(k, v)
+        docs = documents(cu_seqlens, k.shape[1], k.shape[0], cfg, k.device)
+    k_cmp, v_cmp = compress_unrounded(k, v, cfg, phi, docs=docs)
     return k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
 
-def compress_unrounded(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> tuple[Tensor, Tensor]:
-    """compress, left in the compute dtype (masked_attention.compute_dtype) for nsa_forward's attention."""
-    if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"compress needs k [B,T,Hkv,dk] and v [B,T,Hkv,dv] with equal [B,T,Hkv]; "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+def compress_unrounded(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+                       docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+    """compress, left in the compute dtype (masked_attention.compute_dtype) for nsa_forward's attention.
+    docs: the layout of a packed batch (documents.documents), None for independent rows."""
+    _check_kv(k, v)
     _check_phi(cfg, phi, k.shape[-1], v.shape[-1])
-    k_blocks, v_blocks = block_windows(k, cfg), block_windows(v, cfg)
+    if docs is None:
+        k_blocks, v_blocks = block_windows(k, cfg), block_windows(v, cfg)
+    else:
+        k_blocks, v_blocks = packed_block_windows(k, docs, cfg), packed_block_windows(v, docs, cfg)
     if cfg.phi == "avg":
         return phi_avg(k_blocks), phi_avg(v_blocks)
     return phi_mlp(k_blocks, phi.k), phi_mlp(v_blocks, phi.v)

@@ -11,6 +11,7 @@ from reference.contract import KV, BranchKV, NSAOutput, PhiWeights, Reads, check
 
 from .compressed import compressed_attention_rows
 from .compression import compress_unrounded
+from .documents import documents
 from .masked_attention import compute_dtype
 from .scoring import selection_indices
 from .selected import check_indices, selected_attention_rows
@@ -37,30 +38,33 @@ def widen(q: Tensor, kv: BranchKV, gates: Tensor, dtype: torch.dtype) -> tuple[T
 
 def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None,
                      positions: Tensor, *, backend: str = "auto", chunk_size: int | None = None,
-                     indices: Tensor | None = None) -> NSAOutput:
+                     indices: Tensor | None = None, cu_seqlens: Tensor | None = None) -> NSAOutput:
     """NSA for queries q [B, TQ, Hq, dk] (gates [B, TQ, Hq, 3]) at absolute, increasing positions [TQ] over the
     TK keys of every branch in kv. indices: given selection indices [B, TQ, Hkv, n] replace Eq. 8-11
-    (teacher forcing); by default they are computed by scoring.selection_indices."""
+    (teacher forcing); by default they are computed by scoring.selection_indices.
+    cu_seqlens: the TK keys are a packed batch (B = 1) of documents (reference.packing); positions are packed
+    positions and everything (compressed blocks, selection blocks and indices, windows) is document-relative."""
     n_keys = kv.win.k.shape[1]
+    docs = None if cu_seqlens is None else documents(cu_seqlens, n_keys, q.shape[0], cfg, q.device)
     # Precision: every input is widened once to the compute dtype and every branch and Eq. 5 run in it, so a
     # gradient summed over uses (q in three branches, a k/v shared by branches) is rounded once, at the input.
     cd = compute_dtype(q.dtype)
     q_wide, kv_wide, gates_wide = widen(q, kv, gates, cd)
-    k_cmp, v_cmp = compress_unrounded(kv_wide.cmp.k, kv_wide.cmp.v, cfg, phi)
+    k_cmp, v_cmp = compress_unrounded(kv_wide.cmp.k, kv_wide.cmp.v, cfg, phi, docs=docs)
     o_cmp, reads_cmp = compressed_attention_rows(q_wide, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size,
-                                                 compute=cd)
+                                                 compute=cd, docs=docs)
     if indices is None:
         # scored on the compressed keys rounded as compress() returns them, so nsa_forward selects exactly what
         # select_blocks(selection_scores(q, compress(k, v)[0])) selects
         indices = selection_indices(q, k_cmp.to(q.dtype), cfg, positions=positions, n_keys=n_keys,
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, docs=docs)
     else:
         check_indices(indices, q, cfg)
     o_slc, reads_slc = selected_attention_rows(q_wide, kv_wide.slc.k, kv_wide.slc.v, indices, cfg, positions,
                                                backend=backend, chunk_size=chunk_size, compute=cd,
-                                               kernel_dtype=q.dtype)
+                                               kernel_dtype=q.dtype, docs=docs)
     o_win, reads_win = window_attention_rows(q_wide, kv_wide.win.k, kv_wide.win.v, cfg, positions,
-                                             chunk_size=chunk_size, compute=cd)
+                                             chunk_size=chunk_size, compute=cd, docs=docs)
     o = gated_sum(gates_wide, o_cmp, o_slc, o_win)
     return NSAOutput(
         o=o.to(q.dtype),
@@ -73,18 +77,20 @@ def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi
 
 
 def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
-                backend: str = "auto", chunk_size: int | None = None, indices: Tensor | None = None) -> NSAOutput:
+                backend: str = "auto", chunk_size: int | None = None, indices: Tensor | None = None,
+                cu_seqlens: Tensor | None = None) -> NSAOutput:
     """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch.
 
     backend: selected-branch backend ("auto" | "torch" | "triton", see optimized.selected); chunk_size: query
     positions per chunk in every branch (default: sized from a memory budget); indices: teacher-forced
-    selection (default: computed)."""
+    selection (default: computed); cu_seqlens: a packed batch (B = 1) of documents, each computed exactly as if
+    alone (document-relative indices, reads counted per document)."""
     check_inputs(q, kv, gates, cfg)
     if q.shape[1] == 0:
         raise ValueError("q must hold at least one position (T >= 1)")
     positions = torch.arange(q.shape[1], device=q.device)
     return nsa_forward_rows(q, kv, gates, cfg, phi, positions, backend=backend, chunk_size=chunk_size,
-                            indices=indices)
+                            indices=indices, cu_seqlens=cu_seqlens)
 
 
 def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,

@@ -19,6 +19,7 @@ from torch import Tensor
 from reference.config import NSAConfig
 
 from . import masks
+from .documents import Documents, check_packed_compressed, documents
 from .masked_attention import CHUNK_ELEMENTS, compute_dtype, query_chunks
 
 
@@ -64,6 +65,40 @@ def _chunk_scores(q_chunk: Tensor, k_cmp: Tensor, positions: Tensor, n_sel_block
     return scores.masked_fill(after_current[None, :, None, :], float("-inf"))
 
 
+def _packed_chunk_scores(q_chunk: Tensor, k_cmp: Tensor, positions: Tensor, n_sel_blocks: int, cfg: NSAConfig,
+                         docs: Documents) -> Tensor:
+    """_chunk_scores for a packed batch: queries at packed positions [C] score their own document's selection
+    blocks. The logits against the chunk's documents' compressed tokens are moved to document-local block
+    numbers (row c's local block m is packed compressed token cmp_bounds[doc] + m), so Eq. 8-10 run on exactly
+    the row a document alone gives, padded with invisible (exactly 0) blocks past the document's last one.
+    Returns [B, C, Hkv, n_sel_blocks], -inf for blocks after J = (p - start) // l'."""
+    B, C, Hq, dk = q_chunk.shape
+    H = cfg.n_kv_heads
+    qc = q_chunk.reshape(B, C, H, Hq // H, dk).to(k_cmp.dtype)
+    start, stop = docs.cmp_range(positions)
+    rel = docs.relative(positions)
+    doc = docs.token_doc[positions]
+    first = docs.cmp_bounds[doc]  # [C] packed index of each row's local block 0
+    n_own = docs.cmp_bounds[doc + 1] - first
+    width = int(n_own.max()) if C else 0
+    local = torch.arange(width, device=q_chunk.device)
+    logits = torch.einsum("bchgd,bnhd->bchgn", qc, k_cmp[:, start:stop]) / math.sqrt(dk)
+    if stop > start:
+        column = (first - start)[:, None] + local[None, :]  # [C, width], clipped below where past the document
+        column = column.clamp(max=stop - start - 1)[None, :, None, None, :].expand(B, C, H, Hq // H, width)
+        logits = torch.gather(logits, -1, column)
+    else:
+        logits = logits.new_zeros((B, C, H, Hq // H, 0))
+    in_doc = local[None, :] < n_own[:, None]
+    visible = (in_doc & masks.compressed_block_visible(local[None, :], rel[:, None], cfg))[None, :, None, None, :]
+    p_cmp = masks.cmp_importance(logits, visible, cfg)  # Eq. 8
+    p_slc = pool_eq9(p_cmp, n_sel_blocks, cfg)  # Eq. 9, per query head, document-local blocks
+    scores = masks.group_reduce(p_slc, cfg)  # Eq. 10
+    sel = torch.arange(n_sel_blocks, device=q_chunk.device)
+    after_current = sel[None, :] > masks.current_sel_block(rel, cfg)[:, None]
+    return scores.masked_fill(after_current[None, :, None, :], float("-inf"))
+
+
 def _score_chunk_size(q: Tensor, n_cmp: int, n_sel_blocks: int, chunk_size: int | None) -> int:
     if chunk_size is not None:
         if chunk_size < 1:
@@ -73,65 +108,106 @@ def _score_chunk_size(q: Tensor, n_cmp: int, n_sel_blocks: int, chunk_size: int 
     return max(1, CHUNK_ELEMENTS // max(1, B * Hq * (n_cmp + n_sel_blocks)))
 
 
+def _chunk_scorer(k_cmp: Tensor, cfg: NSAConfig, n_sel_blocks: int, docs: Documents | None):
+    """scores(q_chunk, positions) -> [B, C, Hkv, n_sel_blocks] for independent rows or a packed batch."""
+    if docs is None:
+        return lambda q_chunk, pos: _chunk_scores(q_chunk, k_cmp, pos, n_sel_blocks, cfg)
+    return lambda q_chunk, pos: _packed_chunk_scores(q_chunk, k_cmp, pos, n_sel_blocks, cfg, docs)
+
+
+def _score_columns(n_cmp: int, docs: Documents | None) -> int:
+    """Compressed-token columns one query row holds while scoring: N, or for a packed batch the chunk's packed
+    range (at most N) plus its document-local copy (at most N)."""
+    return n_cmp if docs is None else 2 * n_cmp
+
+
 @torch.no_grad()
 def selection_scores_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int, *,
-                          chunk_size: int | None = None) -> Tensor:
+                          chunk_size: int | None = None, docs: Documents | None = None) -> Tensor:
     """Eq. 8-10 for queries at absolute positions: [B, TQ, Hkv, n_sel_blocks] (materialized: the contract's
-    selection_scores output; nsa_forward uses selection_indices instead)."""
+    selection_scores output; nsa_forward uses selection_indices instead). docs: the layout of a packed batch
+    (document-relative blocks), None for independent rows."""
     q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
     B, TQ = q.shape[:2]
     out = torch.empty((B, TQ, cfg.n_kv_heads, n_sel_blocks), dtype=k_cmp.dtype, device=q.device)
-    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, k_cmp.shape[1], n_sel_blocks, chunk_size)):
-        out[:, q0:q1] = _chunk_scores(q[:, q0:q1], k_cmp, positions[q0:q1], n_sel_blocks, cfg)
+    scores = _chunk_scorer(k_cmp, cfg, n_sel_blocks, docs)
+    n_columns = _score_columns(k_cmp.shape[1], docs)
+    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):
+        out[:, q0:q1] = scores(q[:, q0:q1], positions[q0:q1])
     return out
 
 
-def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None) -> Tensor:
+def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None,
+                     cu_seqlens: Tensor | None = None) -> Tensor:
     """Eq. 8-10 for prefill queries 0..T-1: [B, T, Hkv, ceil(T / l')] in compute_dtype(q.dtype),
-    -inf for blocks after J = p // l'."""
+    -inf for blocks after J = p // l'.
+    cu_seqlens (packed batch, B = 1; k_cmp from compress(..., cu_seqlens)): [1, T, Hkv, NB], NB = max_i
+    ceil(L_i / l'); column j is the query's own document's block j, -inf after J = (p - start) // l'."""
     _check_scoring_inputs(q, k_cmp, cfg)
     T = q.shape[1]
     positions = torch.arange(T, device=q.device)
-    return selection_scores_rows(q, k_cmp, cfg, positions, sel_block_count(T, cfg), chunk_size=chunk_size)
+    if cu_seqlens is None:
+        return selection_scores_rows(q, k_cmp, cfg, positions, sel_block_count(T, cfg), chunk_size=chunk_size)
+    docs = documents(cu_seqlens, T, q.shape[0], cfg, q.device)
+    check_packed_compressed("k_cmp", k_cmp, docs)
+    return selection_scores_rows(q, k_cmp, cfg, positions, docs.n_sel_blocks, chunk_size=chunk_size, docs=docs)
 
 
 @torch.no_grad()
-def select_blocks_rows(scores: Tensor, cfg: NSAConfig, positions: Tensor) -> Tensor:
-    """Eq. 11 for queries at absolute positions: int64 [B, TQ, Hkv, n], ascending, padded with -1."""
-    J = masks.current_sel_block(positions, cfg)[None, :, None].expand(scores.shape[:3])
+def select_blocks_rows(scores: Tensor, cfg: NSAConfig, positions: Tensor, docs: Documents | None = None) -> Tensor:
+    """Eq. 11 for queries at absolute positions: int64 [B, TQ, Hkv, n], ascending, padded with -1.
+    docs (packed batch): J and the forced blocks are those of the query's document-relative position."""
+    relative = positions if docs is None else docs.relative(positions)
+    J = masks.current_sel_block(relative, cfg)[None, :, None].expand(scores.shape[:3])
     return masks.top_n_blocks(scores.detach(), J, cfg)
 
 
-def select_blocks(scores: Tensor, cfg: NSAConfig) -> Tensor:
-    """Eq. 11 for prefill queries 0..T-1: indices [B, T, Hkv, n] int64, ascending, padded with -1."""
+def select_blocks(scores: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None = None) -> Tensor:
+    """Eq. 11 for prefill queries 0..T-1: indices [B, T, Hkv, n] int64, ascending, padded with -1.
+    cu_seqlens (packed batch, B = 1): document-relative block numbers (forced blocks of the query's document)."""
     if not isinstance(scores, Tensor) or scores.ndim != 4 or not scores.is_floating_point():
         raise ValueError("select_blocks: scores must be a floating tensor [B, T, Hkv, n_blocks]")
     T = scores.shape[1]
-    if scores.shape[3] < sel_block_count(T, cfg):
-        raise ValueError(f"select_blocks: scores has {scores.shape[3]} blocks but T={T} needs "
-                         f"ceil(T/l') = {sel_block_count(T, cfg)}")
-    return select_blocks_rows(scores, cfg, torch.arange(T, device=scores.device))
+    positions = torch.arange(T, device=scores.device)
+    if cu_seqlens is None:
+        if scores.shape[3] < sel_block_count(T, cfg):
+            raise ValueError(f"select_blocks: scores has {scores.shape[3]} blocks but T={T} needs "
+                             f"ceil(T/l') = {sel_block_count(T, cfg)}")
+        return select_blocks_rows(scores, cfg, positions)
+    docs = documents(cu_seqlens, T, scores.shape[0], cfg, scores.device)
+    if scores.shape[3] < docs.n_sel_blocks:
+        raise ValueError(f"select_blocks: scores has {scores.shape[3]} blocks but the longest document of "
+                         f"cu_seqlens needs max_i ceil(L_i/l') = {docs.n_sel_blocks}")
+    return select_blocks_rows(scores, cfg, positions, docs)
 
 
 @torch.no_grad()
 def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Tensor | None = None,
-                      n_keys: int | None = None, chunk_size: int | None = None) -> Tensor:
+                      n_keys: int | None = None, chunk_size: int | None = None,
+                      cu_seqlens: Tensor | None = None, docs: Documents | None = None) -> Tensor:
     """Eq. 8-11 fused and chunked over queries: indices [B, TQ, Hkv, n] for queries q [B, TQ, Hq, dk] at
     positions (default 0..TQ-1) over n_keys keys (default max position + 1). Peak memory is
     O(chunk * N) per head; no [TQ, N] or [TQ, ceil(T/l')] tensor is built for all queries at once.
-    The result does not depend on chunk_size or on the batch (bitwise)."""
+    The result does not depend on chunk_size or on the batch (bitwise).
+    cu_seqlens (packed batch over the n_keys keys, B = 1; k_cmp packed) or its prebuilt layout docs:
+    document-relative indices, as each document alone would select."""
     _check_scoring_inputs(q, k_cmp, cfg)
     B, TQ = q.shape[:2]
     if positions is None:
         positions = torch.arange(TQ, device=q.device)
     if n_keys is None:
         n_keys = int(positions.max()) + 1 if TQ else 0
-    n_sel_blocks = sel_block_count(n_keys, cfg)
+    if docs is None and cu_seqlens is not None:
+        docs = documents(cu_seqlens, n_keys, B, cfg, q.device)
+    if docs is not None:
+        check_packed_compressed("k_cmp", k_cmp, docs)
+    n_sel_blocks = sel_block_count(n_keys, cfg) if docs is None else docs.n_sel_blocks
     q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
-    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, k_cmp.shape[1], n_sel_blocks, chunk_size)):
-        scores = _chunk_scores(q[:, q0:q1], k_cmp, positions[q0:q1], n_sel_blocks, cfg)
-        out[:, q0:q1] = select_blocks_rows(scores, cfg, positions[q0:q1])
+    scores = _chunk_scorer(k_cmp, cfg, n_sel_blocks, docs)
+    n_columns = _score_columns(k_cmp.shape[1], docs)
+    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):
+        out[:, q0:q1] = select_blocks_rows(scores(q[:, q0:q1], positions[q0:q1]), cfg, positions[q0:q1], docs)
     return out
 
 

@@ -10,6 +10,7 @@ from reference.config import NSAConfig
 
 from . import masks
 from .checks import check_branch_inputs
+from .documents import Documents, documents
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
 
 
@@ -34,20 +35,52 @@ class WindowKeyPlan:
         return SharedKeys(start, max(start, stop), masks.window_key_visible(keys[None, :], pos[:, None], self.cfg))
 
 
+class PackedWindowKeyPlan:
+    """Packed batch: query chunks; each reads the key range covering its queries' windows, masked per query by
+    masks.window_key_visible at document-relative positions (the window restarts at the document start)."""
+
+    def __init__(self, positions: Tensor, docs: Documents, cfg: NSAConfig, chunk_size: int):
+        self.positions = positions
+        self.docs = docs
+        self.cfg = cfg
+        self.chunk_size = chunk_size
+
+    def chunks(self) -> list[tuple[int, int]]:
+        return query_chunks(self.positions.shape[0], self.chunk_size)
+
+    def keys(self, q0: int, q1: int) -> SharedKeys:
+        pos = self.positions[q0:q1]
+        doc_start = self.docs.token_start[pos]
+        rel = pos - doc_start
+        start = int(torch.maximum(doc_start + masks.window_start(rel, self.cfg), doc_start).min())
+        stop = int(pos.max()) + 1
+        key_rel = torch.arange(start, stop, device=pos.device)[None, :] - doc_start[:, None]
+        valid = (key_rel >= 0) & masks.window_key_visible(key_rel, rel[:, None], self.cfg)
+        return SharedKeys(start, stop, valid)
+
+
 def window_attention_rows(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Tensor, *,
-                          chunk_size: int | None = None, compute: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+                          chunk_size: int | None = None, compute: torch.dtype | None = None,
+                          docs: Documents | None = None) -> tuple[Tensor, Tensor]:
     """Window branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ] over keys k [B, TK, Hkv, dk]:
     (o_win [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = window keys counted from the mask applied).
-    compute: see masked_attention."""
+    compute: see masked_attention. docs: the layout of a packed batch, None for independent rows."""
     B, TQ, Hq, _ = q.shape
     if chunk_size is None:
         chunk_size = auto_chunk_size(TQ, B * Hq * 2 * cfg.window_size)
         chunk_size = min(chunk_size, max(cfg.window_size, 128))  # keys per chunk stay O(C + w)
-    return masked_attention(WindowKeyPlan(positions, k.shape[1], cfg, chunk_size), q, k, v, compute=compute)
+    if docs is None:
+        plan = WindowKeyPlan(positions, k.shape[1], cfg, chunk_size)
+    else:
+        plan = PackedWindowKeyPlan(positions, docs, cfg, chunk_size)
+    return masked_attention(plan, q, k, v, compute=compute)
 
 
-def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None) -> Tensor:
-    """Sliding-window branch for prefill queries 0..T-1: o_win [B, T, Hq, d_v]."""
+def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None,
+                     cu_seqlens: Tensor | None = None) -> Tensor:
+    """Sliding-window branch for prefill queries 0..T-1: o_win [B, T, Hq, d_v].
+    cu_seqlens (packed batch, B = 1): keys max(s, p-w+1) .. p for a query at p of the document starting at s."""
     check_branch_inputs("window_attention", q, k, v, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    return window_attention_rows(q, k, v, cfg, positions, chunk_size=chunk_size)[0].to(q.dtype)
+    docs = None if cu_seqlens is None else documents(cu_seqlens, q.shape[1], q.shape[0], cfg, q.device)
+    return window_attention_rows(q, k, v, cfg, positions, chunk_size=chunk_size, docs=docs)[0].to(q.dtype)
