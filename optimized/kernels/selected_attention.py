@@ -23,21 +23,23 @@ class SelectedAttentionFunction(torch.autograd.Function):
     """o = Eq. 12 of (q, k, v) over the selected blocks `indices`; gradients for q, k, v."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float) -> Tensor:
-        o, stats = selected_attention_forward(q, k, v, indices, sel_block, scale)
-        ctx.save_for_backward(q, k, v, indices, o, stats)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
+                doc_start: Tensor | None) -> Tensor:
+        o, stats = selected_attention_forward(q, k, v, indices, sel_block, scale, doc_start=doc_start)
+        ctx.save_for_backward(q, k, v, indices, o, stats, doc_start)
         ctx.sel_block, ctx.scale = sel_block, scale
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        q, k, v, indices, o, stats = ctx.saved_tensors
-        dq, dk, dv = selected_attention_backward(q, k, v, indices, o, stats, do, ctx.sel_block, ctx.scale)
-        return dq, dk, dv, None, None, None
+        q, k, v, indices, o, stats, doc_start = ctx.saved_tensors
+        dq, dk, dv = selected_attention_backward(q, k, v, indices, o, stats, do, ctx.sel_block, ctx.scale,
+                                                 doc_start=doc_start)
+        return dq, dk, dv, None, None, None, None
 
 
 def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int,
-                              scale: float | None = None) -> Tensor:
+                              scale: float | None = None, *, doc_start: Tensor | None = None) -> Tensor:
     """Eq. 12 with the Triton kernels: o [B, TQ, Hq, dv].
 
     q [B, TQ, Hq, dk]: the queries at the LAST TQ positions of the TK keys (row t is position TK - TQ + t;
@@ -48,12 +50,45 @@ def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, 
     A query with no visible key outputs 0. fp32/bf16/fp16 inputs (all the same), fp32 accumulation; fp32
     dots are exact fp32 (no TF32). Differentiable in q, k, v; dk/dv are deterministic.
     Tensors must be on CUDA, or on CPU with TRITON_INTERPRET=1 set before the kernels were imported.
+
+    doc_start (packed batch of documents, issue 9): int32/int64 [TQ], the first key of each query row's
+    document; indices are then document-relative: block j of row t holds keys doc_start[t] + j * sel_block ..,
+    clipped to <= the row's position. Documents are contiguous: doc_start is non-decreasing, doc_start[t] <= the
+    row's position, and a row whose doc_start differs from the previous row's starts its document
+    (doc_start[t] = its position). Checked here (one device sync); a ValueError names the rule.
     """
     _validate(q, k, v, indices, sel_block)
+    if doc_start is not None:
+        doc_start = _validated_doc_start(doc_start, q.shape[1], k.shape[1], q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return SelectedAttentionFunction.apply(q, k, v, indices, sel_block, float(scale))
+    return SelectedAttentionFunction.apply(q, k, v, indices, sel_block, float(scale), doc_start)
+
+
+def _validated_doc_start(doc_start: Tensor, n_queries: int, n_keys: int, device: torch.device) -> Tensor:
+    """doc_start as a contiguous int32 [TQ] tensor, after checking the packed-batch rules of
+    triton_selected_attention."""
+    where = "triton_selected_attention: doc_start"
+    if not isinstance(doc_start, Tensor) or doc_start.dtype not in INDEX_DTYPES or tuple(doc_start.shape) != (
+            n_queries,):
+        raise ValueError(f"{where} must be an int32/int64 tensor [TQ] = [{n_queries}], got "
+                         f"{getattr(doc_start, 'dtype', type(doc_start).__name__)} "
+                         f"{tuple(getattr(doc_start, 'shape', ()))}")
+    if doc_start.device != device:
+        raise ValueError(f"{where} is on {doc_start.device} but q is on {device}")
+    starts = doc_start.long()
+    positions = torch.arange(n_keys - n_queries, n_keys, device=device)
+    new_doc = torch.ones_like(starts, dtype=torch.bool)
+    new_doc[1:] = starts[1:] != starts[:-1]
+    broken = (starts < 0) | (starts > positions)
+    broken[1:] |= starts[1:] < starts[:-1]
+    broken[1:] |= new_doc[1:] & (starts[1:] != positions[1:])
+    if bool(broken.any()):
+        t = int(broken.nonzero()[0])
+        raise ValueError(f"{where}[{t}] = {int(starts[t])} breaks the packed-batch rule: non-decreasing, "
+                         f"0 <= doc_start[t] <= position {int(positions[t])}, and a new document starts at its row")
+    return starts.to(torch.int32).contiguous()
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int) -> None:

@@ -26,6 +26,10 @@ Accuracy (the error-ratio rule of conformance.helpers.error_ratio against a naiv
   selected by every query) keeps a few-ulp error instead of one growing with the chain length. dq sums only
   the n * l' keys of one query; there the consistent D is what matters (a compensated dq measured no better
   in a float64 model of the fp32 chains).
+
+Packed batches (PACKED, issue 9): dq reads block j of row t at keys DOC_START[t] + j * SEL_BLOCK .., like the
+forward; the dk/dv programs take their block's first key and its document's end from the inverted index
+(BLOCK_BASE, BLOCK_END), so no program writes a key of another document.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def _compensated_add(total, comp, part):
 
 @triton.jit
 def _selected_attention_bwd_dq_kernel(
-    Q, K, V, O, DO, STATS, IDX, DQ, DELTA,
+    Q, K, V, O, DO, STATS, IDX, DQ, DELTA, DOC_START,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -80,12 +84,16 @@ def _selected_attention_bwd_dq_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SPLIT_DS: tl.constexpr,
+    SPLIT_DS: tl.constexpr, PACKED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     p = q_offset + t
+    if PACKED:
+        row_start = tl.load(DOC_START + t).to(tl.int64)
+    else:
+        row_start = 0
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -120,7 +128,7 @@ def _selected_attention_bwd_dq_kernel(
         tile = it % TILES_PER_BLOCK
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
         in_block = tile * BLOCK_N + offs_n
-        pos = block * SEL_BLOCK + in_block
+        pos = row_start + block * SEL_BLOCK + in_block
         key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12 clip
 
         kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
@@ -154,7 +162,7 @@ def _selected_attention_bwd_dq_kernel(
 @triton.jit
 def _selected_attention_bwd_dkdv_kernel(
     Q, K, V, DO, STATS, DELTA, DK_OUT, DV_OUT, DK_WS, DV_WS,
-    QUERY_ROWS, ITEM_KEY, ITEM_BEGIN, ITEM_END, ITEM_SLOT,
+    QUERY_ROWS, ITEM_KEY, ITEM_BEGIN, ITEM_END, ITEM_SLOT, BLOCK_BASE, BLOCK_END,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -166,7 +174,7 @@ def _selected_attention_bwd_dkdv_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     HEADS: tl.constexpr, QUERIES_PER_STEP: tl.constexpr, BLOCK_COLS: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr, PACKED: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
@@ -190,8 +198,12 @@ def _selected_attention_bwd_dkdv_kernel(
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
     in_block = tile * BLOCK_N + offs_n
-    pos = block * SEL_BLOCK + in_block
-    key_mask = (in_block < SEL_BLOCK) & (pos < n_keys_total)
+    if PACKED:
+        pos = tl.load(BLOCK_BASE + block).to(tl.int64) + in_block
+        key_mask = (in_block < SEL_BLOCK) & (pos < tl.load(BLOCK_END + block).to(tl.int64))
+    else:
+        pos = block * SEL_BLOCK + in_block
+        key_mask = (in_block < SEL_BLOCK) & (pos < n_keys_total)
 
     k = tl.load(K + b * stride_kb + g * stride_kh + pos[:, None] * stride_kt + offs_dk[None, :],
                 mask=key_mask[:, None] & dk_mask[None, :], other=0.0)
@@ -243,12 +255,13 @@ def _selected_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _slot_reduce_kernel(
-    DK_WS, DV_WS, DK_OUT, DV_OUT, SPLIT_KEY, SLOT_BEGIN, SLOT_END,
+    DK_WS, DV_WS, DK_OUT, DV_OUT, SPLIT_KEY, SLOT_BEGIN, SLOT_END, BLOCK_BASE, BLOCK_END,
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
     n_kv_heads, n_blocks, n_keys_total,
     DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, COMPENSATED: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """dk/dv of a split block = sum of its workspace slots, in slot order (deterministic)."""
     split = tl.program_id(0).to(tl.int64)
@@ -263,7 +276,12 @@ def _slot_reduce_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     in_block = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    pos = block * SEL_BLOCK + in_block
+    if PACKED:
+        pos = tl.load(BLOCK_BASE + block).to(tl.int64) + in_block
+        key_end = tl.load(BLOCK_END + block).to(tl.int64)
+    else:
+        pos = block * SEL_BLOCK + in_block
+        key_end = n_keys_total
     row_mask = in_block < SEL_BLOCK
     dk_mask = row_mask[:, None] & (offs_dk[None, :] < DK)
     dv_mask = row_mask[:, None] & (offs_dv[None, :] < DV)
@@ -281,7 +299,7 @@ def _slot_reduce_kernel(
         else:
             dk += dk_part
             dv += dv_part
-    out_rows = (pos < n_keys_total)[:, None]
+    out_rows = (pos < key_end)[:, None]
     tl.store(DK_OUT + b * stride_dkb + g * stride_dkh + pos[:, None] * stride_dkt + offs_dk[None, :],
              (dk - dk_comp).to(DK_OUT.dtype.element_ty), mask=dk_mask & out_rows)
     tl.store(DV_OUT + b * stride_dvb + g * stride_dvh + pos[:, None] * stride_dvt + offs_dv[None, :],
@@ -296,26 +314,28 @@ def precision_modes(dtype: torch.dtype) -> dict:
 
 def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, stats: Tensor,
                                 do: Tensor, sel_block: int, scale: float, tiling: Tiling | None = None,
-                                dkdv_launch: DkdvTiling | None = None,
-                                queries_per_item: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                dkdv_launch: DkdvTiling | None = None, queries_per_item: int | None = None,
+                                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv for validated inputs (last dims contiguous) and the forward's o, stats (m, 1/l).
 
     tiling / dkdv_launch: launch settings of the dq and dk/dv kernels, used as given (the GPU benchmark sweeps
     them); default: tiling.dq_tiling / tiling.dkdv_tiling heuristics, shrunk if the GPU lacks the resources.
     queries_per_item: most queries one dk/dv program walks before its block is split over workspace slots
     (default: selected_attention_index.default_queries_per_item); tests set it small to cover the split path.
+    doc_start: int32 [TQ] contiguous, the first key of each query row's document (packed batch), or None.
     """
     if do.stride(-1) != 1:
         do = do.contiguous()
-    dq, delta = selected_attention_backward_dq(q, k, v, indices, o, stats, do, sel_block, scale, tiling)
+    dq, delta = selected_attention_backward_dq(q, k, v, indices, o, stats, do, sel_block, scale, tiling,
+                                               doc_start=doc_start)
     dk, dv = selected_attention_backward_dkdv(q, k, v, indices, stats, delta, do, sel_block, scale, dkdv_launch,
-                                              queries_per_item)
+                                              queries_per_item, doc_start=doc_start)
     return dq, dk, dv
 
 
 def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, stats: Tensor,
-                                   do: Tensor, sel_block: int, scale: float,
-                                   tiling: Tiling | None = None) -> tuple[Tensor, Tensor]:
+                                   do: Tensor, sel_block: int, scale: float, tiling: Tiling | None = None,
+                                   doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """dq [B, TQ, Hq, dk] and D [B, TQ, Hq] fp32 = sum_s P_s dP_s (consistent with the kernels' P and dP)."""
     B, TQ, Hq, dk_dim = q.shape
     TK, Hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
@@ -329,7 +349,7 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
 
     def launch(tiling: Tiling) -> None:
         _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](
-            q, k, v, o, do, stats, indices, dq, delta,
+            q, k, v, o, do, stats, indices, dq, delta, indices if doc_start is None else doc_start,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -342,6 +362,7 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
             GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h, BLOCK_DK=block_dk,
             BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n),
             DOT_FP32=dot_fp32, INPUT_PRECISION=precision, SPLIT_DS=q.dtype != torch.float32,
+            PACKED=doc_start is not None,
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
@@ -351,8 +372,8 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
 
 def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, stats: Tensor,
                                      delta: Tensor, do: Tensor, sel_block: int, scale: float,
-                                     dkdv_launch: DkdvTiling | None = None,
-                                     queries_per_item: int | None = None) -> tuple[Tensor, Tensor]:
+                                     dkdv_launch: DkdvTiling | None = None, queries_per_item: int | None = None,
+                                     doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """dk, dv (zero for keys no query selected) from the dq kernel's D; deterministic."""
     B, TQ, Hq, dk_dim = q.shape
     TK, Hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
@@ -361,7 +382,10 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     if B * TQ * Hq == 0:
         return dk, dv
-    index = build_inverted_index(indices, TK, sel_block, queries_per_item)
+    index = build_inverted_index(indices, TK, sel_block, queries_per_item, doc_start)
+    packed = index.block_base is not None
+    block_base = index.block_base if packed else index.item_key  # any int tensor when not packed (never read)
+    block_end = index.block_end if packed else index.item_key
     if index.n_items == 0:
         return dk, dv
     n_slots = index.n_slots
@@ -374,7 +398,7 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
     def launch(tiling: DkdvTiling) -> None:
         _selected_attention_bwd_dkdv_kernel[(index.n_items, math.ceil(sel_block / tiling.block_n))](
             q, k, v, do, stats, delta, dk, dv, dk_ws, dv_ws,
-            index.query_rows, index.item_key, index.item_begin, index.item_end, index.item_slot,
+            index.query_rows, index.item_key, index.item_begin, index.item_end, index.item_slot, block_base, block_end,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -385,7 +409,7 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
             Hkv, index.n_blocks, TK, TK - TQ, scale, scale * LOG2E,
             GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, HEADS=heads,
             QUERIES_PER_STEP=tiling.block_cols // heads, BLOCK_COLS=tiling.block_cols,
-            BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, **modes,
+            BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, PACKED=packed, **modes,
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
@@ -400,12 +424,12 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
     if n_slots:
         rows = key_tile_rows(sel_block, 32)
         _slot_reduce_kernel[(index.split_key.numel(), math.ceil(sel_block / rows))](
-            dk_ws, dv_ws, dk, dv, index.split_key, index.slot_begin, index.slot_end,
+            dk_ws, dv_ws, dk, dv, index.split_key, index.slot_begin, index.slot_end, block_base, block_end,
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
             Hkv, index.n_blocks, TK,
             DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=rows,
-            COMPENSATED=modes["COMPENSATED"], num_warps=4,
+            COMPENSATED=modes["COMPENSATED"], PACKED=packed, num_warps=4,
         )
     return dk, dv
 

@@ -9,6 +9,9 @@ s * scale * log2(e), l = sum 2^(s * scale * log2(e) - m), so P = 2^(s * scale * 
 the forward formed it (one rounding fewer than exp(s * scale - lse); logsumexp() gives lse). The query row t
 sits at absolute position p = q_offset + t; keys after p are masked (the current block is partial). An empty
 key set gives o = 0 and 1/l = 0 (lse = -inf).
+
+Packed batches (PACKED, issue 9): DOC_START[t] is the first key of row t's document and block j of the row means
+keys DOC_START[t] + j * SEL_BLOCK ..; the clip to <= p keeps every key inside the document.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _selected_attention_fwd_kernel(
-    Q, K, V, IDX, O, STATS,
+    Q, K, V, IDX, O, STATS, DOC_START,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -39,12 +42,17 @@ def _selected_attention_fwd_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     # 64-bit program ids: every offset below is computed in int64 (T >= 64k).
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     p = q_offset + t
+    if PACKED:
+        row_start = tl.load(DOC_START + t).to(tl.int64)
+    else:
+        row_start = 0
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -75,7 +83,7 @@ def _selected_attention_fwd_kernel(
         tile = it % TILES_PER_BLOCK
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
         in_block = tile * BLOCK_N + offs_n
-        pos = block * SEL_BLOCK + in_block
+        pos = row_start + block * SEL_BLOCK + in_block
         key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12: tokens of block, clipped to <= p
 
         kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
@@ -124,11 +132,13 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
-                               tiling: Tiling | None = None) -> tuple[Tensor, Tensor]:
+                               tiling: Tiling | None = None,
+                               doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel on validated inputs (last dim contiguous). Returns (o, stats [B, TQ, Hq, 2] fp32).
 
     tiling: launch settings, used as given (the GPU benchmark sweeps it); default: tiling.forward_tiling's
     heuristic, shrunk by launch_with_fallback if the GPU lacks the resources it needs.
+    doc_start: int32 [TQ] contiguous, the first key of each query row's document (packed batch), or None.
     """
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -143,7 +153,7 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
 
     def launch(tiling: Tiling) -> None:
         _selected_attention_fwd_kernel[(TQ, Hkv, B)](
-            q, k, v, indices, o, stats,
+            q, k, v, indices, o, stats, indices if doc_start is None else doc_start,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -154,7 +164,7 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
             GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block,
             BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
             TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
-            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+            PACKED=doc_start is not None, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
     if tiling is None:

@@ -6,6 +6,10 @@ A block selected by many queries (block 0 is forced for every query, Eq. 11) wou
 all TQ queries; such blocks are split over several items whose fp32 partial dk/dv go to workspace slots and
 are summed afterwards in slot order. Every sum therefore runs in a fixed order: dk/dv are bitwise
 reproducible without atomics.
+
+Packed batches (doc_start given, issue 9): indices are document-relative, so a block is keyed by a global
+(document, block) id; block_base / block_end give its first key and its document's end (exclusive), so the dk/dv
+programs of one document's last, partial block never write keys of the next document.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class InvertedIndex:
     item_key / item_begin / item_end [I]: item i covers query_rows[item_begin[i]:item_end[i]] of key item_key[i].
     item_slot [I]: -1 if item i is its key's only item (writes dk/dv directly), else its workspace slot.
     split_key / slot_begin / slot_end [S]: keys cut into several items and the slot range holding their partials.
+    block_base / block_end [NB] int64 (packed batch only, else None): first key of block id j and the end
+    (exclusive) of its document; j counts the blocks of the rows' documents in document order.
     """
 
     n_blocks: int
@@ -38,6 +44,8 @@ class InvertedIndex:
     split_key: Tensor
     slot_begin: Tensor
     slot_end: Tensor
+    block_base: Tensor | None = None
+    block_end: Tensor | None = None
 
     @property
     def n_items(self) -> int:
@@ -62,21 +70,39 @@ def default_queries_per_item(n_queries: int, n_selected: int, n_blocks: int) -> 
 
 
 def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
-                         queries_per_item: int | None = None) -> InvertedIndex:
+                         queries_per_item: int | None = None, doc_start: Tensor | None = None) -> InvertedIndex:
     """Invert indices [B, TQ, Hkv, n] (queries at the last TQ of n_keys_total positions).
 
     Only entries whose block has a visible key are kept: j >= 0 and j * sel_block <= p (Eq. 12 clip), so every
     listed query has at least one key in the block. A block listed twice by one query appears twice (the
     forward then also counts its tokens twice).
+    doc_start [TQ] (packed batch): row t's document starts at key doc_start[t] and runs to the next larger
+    doc_start of the rows (or n_keys_total); its block j covers keys doc_start[t] + j * sel_block .. and the
+    clip is j * sel_block <= p - doc_start[t].
     """
     B, TQ, Hkv, _ = indices.shape
     device = indices.device
-    n_blocks = -(-n_keys_total // sel_block)
     blocks = indices.long()
     positions = torch.arange(n_keys_total - TQ, n_keys_total, device=device).view(1, TQ, 1, 1)
-    kept = (blocks >= 0) & (blocks * sel_block <= positions)
+    block_base = block_end = None
+    if doc_start is None:
+        n_blocks = -(-n_keys_total // sel_block)
+        kept = (blocks >= 0) & (blocks * sel_block <= positions)
+        block_id = blocks
+    else:
+        starts = doc_start.long()
+        doc_first, row_doc = torch.unique(starts, sorted=True, return_inverse=True)
+        doc_stop = torch.cat([doc_first[1:], doc_first.new_full((1,), n_keys_total)])
+        doc_blocks = (doc_stop - doc_first + sel_block - 1) // sel_block
+        first_block = torch.cumsum(doc_blocks, 0) - doc_blocks
+        n_blocks = int(doc_blocks.sum())
+        kept = (blocks >= 0) & (blocks * sel_block <= positions - starts.view(1, TQ, 1, 1))
+        block_id = first_block[row_doc].view(1, TQ, 1, 1) + blocks
+        block_doc = torch.repeat_interleave(torch.arange(doc_first.numel(), device=device), doc_blocks)
+        block_base = doc_first[block_doc] + (torch.arange(n_blocks, device=device) - first_block[block_doc]) * sel_block
+        block_end = doc_stop[block_doc]
     b_ix, t_ix, g_ix, _ = kept.nonzero(as_tuple=True)  # row-major: t ascending for a fixed (b, g)
-    key = (b_ix * Hkv + g_ix) * n_blocks + blocks[kept]
+    key = (b_ix * Hkv + g_ix) * n_blocks + block_id.expand(blocks.shape)[kept]
     order = torch.sort(key, stable=True).indices
     query_rows = t_ix[order].to(torch.int32)
 
@@ -99,4 +125,4 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
     slot_end = torch.cumsum(items_per_key[split_key], 0)
     slot_begin = slot_end - items_per_key[split_key]
     return InvertedIndex(n_blocks, query_rows, item_key, item_begin, item_end, item_slot,
-                         split_key, slot_begin, slot_end)
+                         split_key, slot_begin, slot_end, block_base, block_end)

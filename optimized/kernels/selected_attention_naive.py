@@ -14,12 +14,15 @@ from torch import Tensor
 
 
 def selected_attention_naive(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int,
-                             scale: float | None = None, positions: Tensor | None = None) -> Tensor:
+                             scale: float | None = None, positions: Tensor | None = None,
+                             doc_start: Tensor | None = None) -> Tensor:
     """o [B, TQ, Hq, dv] of Eq. 12 for queries q [B, TQ, Hq, dk] over keys k [B, TK, Hkv, dk], v [B, TK, Hkv, dv].
 
     indices [B, TQ, Hkv, n]: selected block indices (entries < 0 are padding). Block j holds keys
     [j * sel_block, (j + 1) * sel_block), clipped to <= p, the absolute position of the query. positions [TQ]
     gives p per query row (default: the last TQ positions, TK - TQ + t). A query with no key outputs 0.
+    doc_start [TQ] (packed batch): the first key of each query row's document; block j then holds keys
+    doc_start + j * sel_block .. (document-relative indices), clipped to <= p as above.
     Differentiable in q, k, v through autograd.
     """
     B, TQ, Hq, dk = q.shape
@@ -32,6 +35,8 @@ def selected_attention_naive(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, s
     blocks = indices.long()
     # Token positions of every selected block: [B, TQ, Hkv, n * l']
     tokens = (blocks[..., None] * sel_block + torch.arange(sel_block, device=q.device)).flatten(-2)
+    if doc_start is not None:
+        tokens = tokens + doc_start.to(device=q.device, dtype=torch.int64).view(1, TQ, 1, 1)
     is_real_block = (blocks >= 0)[..., None].expand(*blocks.shape, sel_block).flatten(-2)
     visible = is_real_block & (tokens <= positions.to(q.device).view(1, TQ, 1, 1))  # causal clip, Eq. 12
     safe_tokens = tokens.clamp(0, TK - 1)
