@@ -93,6 +93,27 @@ def lengths(draw: st.DrawFn, cfg: NSAConfig, *, low: int = 1, high: int = 40) ->
     return draw(st.integers(low, high))
 
 
+def edge_lengths(cfg: NSAConfig) -> list[int]:
+    """Document lengths where per-document conventions meet: empty, one token, shorter than l, exactly l,
+    one more stride, exactly l' and l' + 1, the window (and one more)."""
+    out = {0, 1, cfg.cmp_block - 1, cfg.cmp_block, cfg.cmp_block + cfg.cmp_stride, cfg.sel_block, cfg.sel_block + 1,
+           cfg.window_size, cfg.window_size + 1}
+    return sorted(out)
+
+
+@st.composite
+def document_lengths(draw: st.DrawFn, cfg: NSAConfig, *, max_docs: int = 4, max_length: int = 20,
+                     min_nonempty: int = 1) -> list[int]:
+    """Lengths of the documents of a packed batch (cu_seqlens): 1..max_docs documents, at least min_nonempty of
+    them non-empty, each often one of edge_lengths(cfg), in random order."""
+    edges = edge_lengths(cfg)
+    n_docs = draw(st.integers(max(1, min_nonempty), max(max_docs, min_nonempty)))
+    nonempty = st.sampled_from([x for x in edges if x >= 1]) | st.integers(1, max_length)
+    anything = st.sampled_from(edges) | st.integers(0, max_length)
+    lengths = [draw(nonempty if i < min_nonempty else anything) for i in range(n_docs)]
+    return draw(st.permutations(lengths))
+
+
 def show_reproducer(impl_spec: str, cfg: NSAConfig, call: str, **make_inputs_kwargs) -> str:
     """note() a ready-to-paste python snippet that rebuilds the failing inputs and calls the stage."""
     args = ", ".join(f"{k}={v!r}" for k, v in make_inputs_kwargs.items())

@@ -80,6 +80,14 @@ class Implementation:
         except (TypeError, ValueError):
             return False
 
+    def require_argument(self, argument: str, *names: str) -> None:
+        """Skip the calling test as NOT COVERED when a stage it needs is missing or takes no keyword `argument`
+        (e.g. cu_seqlens for packed documents)."""
+        self.require(*names)
+        lacking = [n for n in names if not self.takes(n, argument)]
+        if lacking:
+            not_covered(f"{self.name}'s {', '.join(lacking)} take(s) no {argument} argument")
+
     def __getattr__(self, item: str) -> Any:
         stages = self.__dict__.get("stages", {})
         if item in stages:
