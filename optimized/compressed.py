@@ -9,7 +9,7 @@ from reference.config import NSAConfig
 
 from . import masks
 from .checks import check_branch_inputs
-from .documents import Documents, check_packed_compressed, documents, visible_compressed
+from .documents import Documents, check_packed_compressed, stage_documents, visible_compressed
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
 
 
@@ -83,9 +83,8 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig
     a query reads only its own document's blocks, visible at its document-relative position."""
     check_branch_inputs("compressed_attention", q, k_cmp, v_cmp, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    docs = None
-    if cu_seqlens is not None:
-        docs = documents(cu_seqlens, q.shape[1], q.shape[0], cfg, q.device)
+    docs = stage_documents(cu_seqlens, cfg, q)
+    if docs is not None:
         check_packed_compressed("k_cmp", k_cmp, docs)
     return compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size,
                                      docs=docs)[0].to(q.dtype)

@@ -85,6 +85,18 @@ def documents(cu_seqlens: Tensor, n_tokens: int, batch: int, cfg: NSAConfig,
     )
 
 
+def stage_documents(cu_seqlens: Tensor | None, cfg: NSAConfig, q: Tensor, **same_tokens: Tensor) -> Documents | None:
+    """The layout of a stage's packed batch q [1, T, ...] (None when cu_seqlens is None); every tensor in
+    same_tokens must hold the same T tokens (ValueError naming it)."""
+    if cu_seqlens is None:
+        return None
+    for name, t in same_tokens.items():
+        if t.shape[1] != q.shape[1]:
+            raise ValueError(f"{name} must hold the same T = {q.shape[1]} tokens as q in a packed batch "
+                             f"(cu_seqlens), got {t.shape[1]}")
+    return documents(cu_seqlens, q.shape[1], q.shape[0], cfg, q.device)
+
+
 def check_packed_compressed(name: str, k_cmp: Tensor, docs: Documents) -> None:
     """A packed compressed tensor must hold exactly the documents' compressed tokens (compressed_cu_seqlens)."""
     if k_cmp.shape[1] != docs.n_compressed:

@@ -23,5 +23,8 @@ class NSAAttention(ReferenceNSAAttention):
         super().__init__(hidden_size, cfg, gate_hidden=gate_hidden, phi_hidden=phi_hidden, rope_base=rope_base)
         self.backend = backend
 
-    def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None) -> NSAOutput:
-        return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend)
+    def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
+                           cu_seqlens: Tensor | None = None) -> NSAOutput:
+        """The vectorized NSA; cu_seqlens: a packed batch, computed on the packed path directly (no loop over
+        documents). The reference module's project() restarts RoPE positions at each document start."""
+        return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend, cu_seqlens=cu_seqlens)

@@ -19,7 +19,7 @@ from torch import Tensor
 from reference.config import NSAConfig
 
 from . import masks
-from .documents import Documents, check_packed_compressed, documents
+from .documents import Documents, check_packed_compressed, documents, stage_documents
 from .masked_attention import CHUNK_ELEMENTS, compute_dtype, query_chunks
 
 
@@ -148,7 +148,7 @@ def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: in
     positions = torch.arange(T, device=q.device)
     if cu_seqlens is None:
         return selection_scores_rows(q, k_cmp, cfg, positions, sel_block_count(T, cfg), chunk_size=chunk_size)
-    docs = documents(cu_seqlens, T, q.shape[0], cfg, q.device)
+    docs = stage_documents(cu_seqlens, cfg, q)
     check_packed_compressed("k_cmp", k_cmp, docs)
     return selection_scores_rows(q, k_cmp, cfg, positions, docs.n_sel_blocks, chunk_size=chunk_size, docs=docs)
 
@@ -174,7 +174,7 @@ def select_blocks(scores: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None =
             raise ValueError(f"select_blocks: scores has {scores.shape[3]} blocks but T={T} needs "
                              f"ceil(T/l') = {sel_block_count(T, cfg)}")
         return select_blocks_rows(scores, cfg, positions)
-    docs = documents(cu_seqlens, T, scores.shape[0], cfg, scores.device)
+    docs = stage_documents(cu_seqlens, cfg, scores)
     if scores.shape[3] < docs.n_sel_blocks:
         raise ValueError(f"select_blocks: scores has {scores.shape[3]} blocks but the longest document of "
                          f"cu_seqlens needs max_i ceil(L_i/l') = {docs.n_sel_blocks}")

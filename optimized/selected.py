@@ -20,7 +20,7 @@ from reference.config import NSAConfig
 
 from . import masks
 from .checks import check_branch_inputs
-from .documents import Documents, documents
+from .documents import Documents, stage_documents
 from .masked_attention import GatheredKeys, auto_chunk_size, compute_dtype, masked_attention, query_chunks
 
 BACKENDS = ("auto", "torch", "triton")
@@ -141,7 +141,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NS
     check_branch_inputs("selected_attention", q, k, v, cfg)
     check_indices(indices, q, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    docs = None if cu_seqlens is None else documents(cu_seqlens, q.shape[1], q.shape[0], cfg, q.device)
+    docs = stage_documents(cu_seqlens, cfg, q, k=k)
     o, _ = selected_attention_rows(q, k, v, indices, cfg, positions, backend=backend, chunk_size=chunk_size,
                                    docs=docs)
     return o.to(q.dtype)

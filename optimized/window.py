@@ -10,7 +10,7 @@ from reference.config import NSAConfig
 
 from . import masks
 from .checks import check_branch_inputs
-from .documents import Documents, documents
+from .documents import Documents, stage_documents
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
 
 
@@ -82,5 +82,5 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, chunk_s
     cu_seqlens (packed batch, B = 1): keys max(s, p-w+1) .. p for a query at p of the document starting at s."""
     check_branch_inputs("window_attention", q, k, v, cfg)
     positions = torch.arange(q.shape[1], device=q.device)
-    docs = None if cu_seqlens is None else documents(cu_seqlens, q.shape[1], q.shape[0], cfg, q.device)
+    docs = stage_documents(cu_seqlens, cfg, q, k=k)
     return window_attention_rows(q, k, v, cfg, positions, chunk_size=chunk_size, docs=docs)[0].to(q.dtype)
