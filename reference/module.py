@@ -121,9 +121,10 @@ class NSAAttention(nn.Module):
 
     def attention(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> NSAOutput:
         """The NSA output object (branch outputs, indices, reads) before the output projection."""
-        q, kv, gates = self.project(x, position_offset, cu_seqlens=cu_seqlens)
-        if cu_seqlens is None:  # a subclass whose functional_forward predates packing still runs unpacked input
+        if cu_seqlens is None:  # a subclass whose seams predate packing (no cu_seqlens) still runs unpacked input
+            q, kv, gates = self.project(x, position_offset)
             return self.functional_forward(q, kv, gates, self.phi_weights())
+        q, kv, gates = self.project(x, position_offset, cu_seqlens=cu_seqlens)
         return self.functional_forward(q, kv, gates, self.phi_weights(), cu_seqlens=cu_seqlens)
 
     def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:

@@ -50,3 +50,28 @@ def test_mlp_phi_module_backward_reaches_every_parameter():
     m(torch.randn(1, 9, 16, dtype=torch.float64)).square().sum().backward()
     missing = [n for n, p in m.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert missing == []
+
+
+def test_a_subclass_whose_seams_predate_cu_seqlens_still_runs_unpacked_input():
+    """Third-party subclasses (and the v_rotated self-test variant once was one) override project() and
+    functional_forward() without the cu_seqlens keyword: forward(x) must still call them, and give the
+    parent's output when they only delegate."""
+
+    class OldSeams(R.NSAAttention):
+        calls = []
+
+        def project(self, x, position_offset=0):
+            self.calls.append("project")
+            return super().project(x, position_offset)
+
+        def functional_forward(self, q, kv, gates, phi):
+            self.calls.append("functional_forward")
+            return super().functional_forward(q, kv, gates, phi)
+
+    torch.manual_seed(0)
+    old = OldSeams(16, CFG).double()
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    new = make_module()
+    new.load_state_dict(old.state_dict())
+    assert torch.equal(old(x), new(x))
+    assert OldSeams.calls == ["project", "functional_forward"]

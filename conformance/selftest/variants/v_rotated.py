@@ -5,18 +5,17 @@ Adapter: NSAAttention = optimized.NSAAttention whose project() also rotates ever
 Caught by: Module level (the output is no longer invariant to a global position offset).
 """
 
-import torch
-
 import optimized
 from reference.contract import KV, BranchKV
+from reference.module import token_positions
 
 from conformance.selftest.variants import optimized_variant
 
 
 class NSAAttentionRotatingV(optimized.NSAAttention):
-    def project(self, x, position_offset: int = 0):
-        q, kv, gates = super().project(x, position_offset)
-        positions = torch.arange(position_offset, position_offset + x.shape[1], device=x.device)
+    def project(self, x, position_offset: int = 0, *, cu_seqlens=None):
+        q, kv, gates = super().project(x, position_offset, cu_seqlens=cu_seqlens)
+        positions = token_positions(x.shape[1], position_offset, cu_seqlens, x.shape[0], x.device)
         rotated = (KV(b.k, optimized.apply_rope(b.v, positions, self.rope_base)) for b in (kv.cmp, kv.slc, kv.win))
         return q, BranchKV(*rotated), gates
 
