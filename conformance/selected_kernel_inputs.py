@@ -42,11 +42,23 @@ def random_qkv(case: Case, *, dtype: torch.dtype, device: torch.device | str, se
             rnd(case.batch, case.tk, case.n_kv_heads, case.dv))
 
 
+def document_starts(lengths: list[int], tq: int | None = None) -> Tensor:
+    """int32 [TQ]: the first key of each of the last tq (default all) rows' documents in a packed batch of
+    documents of the given lengths (empty documents allowed)."""
+    starts, first = [], 0
+    for n in lengths:
+        starts += [first] * n
+        first += n
+    rows = torch.tensor(starts, dtype=torch.int32)
+    return rows if tq is None else rows[len(rows) - tq:]
+
+
 def random_indices(case: Case, *, seed: int, device: torch.device | str = "cpu", forced: bool = True,
-                   dtype: torch.dtype = torch.int64, chunk: int = 4096) -> Tensor:
+                   dtype: torch.dtype = torch.int64, chunk: int = 4096, doc_start: Tensor | None = None) -> Tensor:
     """indices [B, TQ, Hkv, n]: for a query at p, up to n distinct blocks among 0..J = p // l', ascending,
     -1 padded at the end. forced=True always includes block 0 and the blocks J-1, J (Eq. 11 forced blocks);
-    the other picks are uniform. Built chunk-wise over queries so T = 64k stays small in memory."""
+    the other picks are uniform. Built chunk-wise over queries so T = 64k stays small in memory.
+    doc_start [TQ] (packed batch, document_starts): document-relative blocks, J = (p - doc_start) // l'."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     n_blocks = -(-case.tk // case.sel_block)
     n_pick = min(case.n_sel, n_blocks)
@@ -54,6 +66,8 @@ def random_indices(case: Case, *, seed: int, device: torch.device | str = "cpu",
     for start in range(0, case.tq, chunk):
         rows = min(chunk, case.tq - start)
         pos = torch.arange(case.tk - case.tq + start, case.tk - case.tq + start + rows)
+        if doc_start is not None:
+            pos = pos - doc_start[start:start + rows].cpu().long()
         last = (pos // case.sel_block).view(1, rows, 1, 1)
         blocks = torch.arange(n_blocks).view(1, 1, 1, n_blocks)
         scores = torch.rand((case.batch, rows, case.n_kv_heads, n_blocks), generator=g)

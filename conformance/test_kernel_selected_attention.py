@@ -15,7 +15,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from conformance.helpers import error_ratio, rel_error
-from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
+from conformance.selected_kernel_inputs import Case, document_starts, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels import selected_attention_bwd as bwd_module
 from optimized.kernels.selected_attention_fwd import logsumexp, selected_attention_forward
@@ -372,3 +372,149 @@ def test_dkdv_fallback_shrinks_stages_then_columns_then_key_rows() -> None:
     assert got == [(64, 64), (64, 64), (32, 64), (16, 64)]
     with pytest.raises(ValueError, match="block_cols"):
         DkdvTiling(block_n=16, block_cols=24, num_warps=4, num_stages=1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Packed batches (cu_seqlens, issue 9): doc_start [TQ] = first key of each query row's document; indices are
+# document-relative (block j of a row = keys doc_start + j * l' ..). Empty documents, documents shorter than l',
+# of exactly l' and l' + 1 tokens, and (decode chunk) a first row whose document starts before it.
+PACKED_CASES = {
+    "packed-group2": (Case(tk=36, tq=36, n_kv_heads=2, group=2, dk=8, dv=8, sel_block=4, n_sel=3),
+                      [5, 0, 9, 1, 4, 17, 0]),
+    "packed-group3-dk12-dv8": (Case(tk=35, tq=35, n_kv_heads=1, group=3, dk=12, dv=8, sel_block=8, n_sel=2),
+                               [0, 7, 8, 9, 11]),
+    "packed-decode-chunk": (Case(tk=30, tq=23, n_kv_heads=2, group=1, dk=8, dv=16, sel_block=4, n_sel=3, batch=2),
+                            [10, 3, 17]),
+}
+
+
+def packed_inputs(name: str, seed: int):
+    """q, k, v, document-relative indices (with empty sets and clipped-away padding slots, int32 for odd seeds)
+    and doc_start of a packed case."""
+    case, lengths = PACKED_CASES[name]
+    assert sum(lengths) == case.tk
+    starts = document_starts(lengths, case.tq)
+    q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=seed)
+    idx = random_indices(case, seed=seed + 1, doc_start=starts)
+    g = torch.Generator().manual_seed(seed + 2)
+    idx[torch.rand(idx.shape[:3], generator=g) < 0.15] = -1
+    relative = (torch.arange(case.tk - case.tq, case.tk) - starts.long()).view(1, case.tq, 1)
+    future = (idx[..., -1] == -1) & (torch.rand(idx.shape[:3], generator=g) < 0.5)
+    idx[..., -1] = torch.where(future, relative // case.sel_block + 1, idx[..., -1])  # no key <= p: clipped away
+    return case, lengths, q, k, v, idx.to(torch.int32 if seed % 2 else torch.int64).to(DEVICE), starts.to(DEVICE)
+
+
+def packed_loop_reference(case: Case, lengths: list[int], q, k, v, idx) -> torch.Tensor:
+    """float64-capable loop reference of a packed batch: each document's rows run alone through
+    reference.branches.selected_attention_rows over the document's own keys at document-relative positions."""
+    out = torch.zeros(case.batch, case.tq, case.n_heads, case.dv, dtype=q.dtype)
+    first_row_position = case.tk - case.tq
+    start = 0
+    for n in lengths:
+        rows = [p - first_row_position for p in range(start, start + n) if p >= first_row_position]
+        if rows:
+            sl = slice(rows[0], rows[-1] + 1)
+            positions = [first_row_position + t - start for t in rows]
+            out[:, sl] = selected_attention_rows(q[:, sl].cpu(), k[:, start:start + n].cpu(),
+                                                 v[:, start:start + n].cpu(), idx[:, sl].cpu().long(),
+                                                 reference_config(case), positions)[0]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("name", list(PACKED_CASES))
+def test_packed_forward_matches_naive_and_float64_reference(name: str, poisoned_empty: None) -> None:
+    case, lengths, q, k, v, idx, starts = packed_inputs(name, seed=len(name))
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, 1.0 / math.sqrt(case.dk),
+                                          doc_start=starts)
+    assert torch.isfinite(o).all() and not torch.isnan(stats).any(), "unwritten (NaN) output or stats"
+    oracle = packed_loop_reference(case, lengths, q.double(), k.double(), v.double(), idx)
+    naive64 = selected_attention_naive(q.double(), k.double(), v.double(), idx, case.sel_block, doc_start=starts)
+    assert rel_error(naive64, oracle) < 1e-12, "the naive oracle with doc_start disagrees with the loop reference"
+    unpacked = selected_attention_naive(q.double(), k.double(), v.double(), idx, case.sel_block)
+    assert rel_error(unpacked, oracle) > 1e-3, "the case does not tell document-relative blocks from absolute ones"
+    assert rel_error(o, naive64) < 1e-5
+    assert error_ratio(o, packed_loop_reference(case, lengths, q, k, v, idx), oracle) <= 1.0
+
+
+@pytest.mark.parametrize("name", list(PACKED_CASES))
+def test_packed_backward_matches_naive_autograd(name: str, poisoned_empty: None) -> None:
+    case, lengths, q, k, v, idx, starts = packed_inputs(name, seed=len(name) + 3)
+    do = torch.randn((case.batch, case.tq, case.n_heads, case.dv), generator=torch.Generator().manual_seed(9))
+    do = do.to(DEVICE)
+
+    def grads(fn, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, idx, case.sel_block, doc_start=starts)
+        return [out] + list(torch.autograd.grad(out, leaves, do.to(dtype)))
+
+    kernel = grads(triton_selected_attention, torch.float32)
+    fp32 = grads(selected_attention_naive, torch.float32)
+    oracle = grads(selected_attention_naive, torch.float64)
+    for label, got, low, exact in zip(("o", "dq", "dk", "dv"), kernel, fp32, oracle):
+        assert torch.isfinite(got).all(), f"{label} has NaN/inf (unwritten element?)"
+        assert rel_error(got, exact) < 1e-5, label
+        assert error_ratio(got, low, exact) <= 1.0, label
+
+
+@pytest.mark.parametrize("queries_per_item", [2, None])
+def test_packed_backward_split_blocks_and_document_ends(queries_per_item, poisoned_empty: None) -> None:
+    """Blocks split over workspace slots, and each document's last, partial block: dk/dv of a key equal the
+    oracle's, including the first keys of the next document (a program of the previous document's last block
+    must not overwrite them) and keys no query selected (exactly 0)."""
+    case, lengths, q, k, v, idx, starts = packed_inputs("packed-group2", seed=4)
+    scale = 1.0 / math.sqrt(case.dk)
+    o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale, doc_start=starts)
+    do = torch.randn_like(o)
+    got = bwd_module.selected_attention_backward(q, k, v, idx, o, stats, do, case.sel_block, scale,
+                                                 queries_per_item=queries_per_item, doc_start=starts)
+    leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    exact = torch.autograd.grad(selected_attention_naive(*leaves, idx, case.sel_block, doc_start=starts), leaves,
+                                do.double())
+    for label, g_, ref in zip(("dq", "dk", "dv"), got, exact):
+        assert torch.isfinite(g_).all(), label
+        assert rel_error(g_, ref) < 1e-5, label
+        assert bool((g_[ref == 0] == 0).all()), f"{label}: nonzero where no query reads the key"
+
+
+def test_packed_inverted_index_keys_blocks_by_document() -> None:
+    """Each (b, g, document, block) lists exactly the rows of that document whose set holds the block with a
+    visible key, ascending; block_base / block_end give the block's first key and its document's end."""
+    case, lengths = PACKED_CASES["packed-decode-chunk"]
+    starts = document_starts(lengths, case.tq)
+    idx = random_indices(case, seed=6, doc_start=starts)
+    index = build_inverted_index(idx, case.tk, case.sel_block, queries_per_item=3, doc_start=starts)
+    ends = {0: 10, 10: 13, 13: 30}
+    expected: dict[tuple[int, int, int], list[int]] = {}
+    for b in range(case.batch):
+        for t in range(case.tq):
+            p, s = case.tk - case.tq + t, int(starts[t])
+            for g in range(case.n_kv_heads):
+                for j in idx[b, t, g].tolist():
+                    if j >= 0 and j * case.sel_block <= p - s:
+                        expected.setdefault((b, g, s + j * case.sel_block), []).append(t)
+    got: dict[tuple[int, int, int], list[int]] = {}
+    for i in range(index.n_items):
+        key = int(index.item_key[i])
+        block, bg = key % index.n_blocks, key // index.n_blocks
+        base, end = int(index.block_base[block]), int(index.block_end[block])
+        rows = index.query_rows[int(index.item_begin[i]):int(index.item_end[i])].tolist()
+        assert 1 <= len(rows) <= 3
+        assert all(int(starts[t]) <= base < end == ends[int(starts[t])] for t in rows), (base, end, rows)
+        got.setdefault((bg // case.n_kv_heads, bg % case.n_kv_heads, base), []).extend(rows)
+    assert got == expected
+
+
+@pytest.mark.parametrize("starts, match", [
+    (torch.tensor([0, 0, 0, 0, 2, 2, 2, 2]), "new document starts at its row"),  # 2 is no row's position
+    (torch.tensor([0, 0, 0, 3, 3, 0, 0, 0]), "non-decreasing"),
+    (torch.tensor([0, 0, 0, 3, 3, 3, 3, 8]), "<= position"),
+    (torch.tensor([-1, 0, 0, 0, 0, 0, 0, 0]), "0 <= doc_start"),
+    (torch.tensor([0, 0, 0, 0]), r"\[TQ\]"),
+    (torch.zeros(8), "int32/int64"),
+])
+def test_packed_bad_doc_start_raises_value_error(starts, match: str) -> None:
+    q, k, v = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4)
+    idx = torch.zeros(1, 8, 1, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=match):
+        triton_selected_attention(q, k, v, idx, 4, doc_start=starts)
