@@ -52,6 +52,15 @@ def attention_class(name: str) -> type[nn.Module]:
     raise ValueError(f"model.attention must be 'optimized' or 'reference', got {name!r}")
 
 
+def packs_documents(name: str) -> bool:
+    """Whether model.attention `name`'s seams take cu_seqlens (packed documents, data.packing varlen)."""
+    import inspect
+
+    cls = attention_class(name)
+    return all("cu_seqlens" in inspect.signature(getattr(cls, seam)).parameters
+               for seam in ("project", "functional_forward"))
+
+
 def optimized_available() -> bool:
     try:
         attention_class("optimized")

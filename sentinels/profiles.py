@@ -4,7 +4,9 @@ A profile has two models:
   * the probe model (profile.probe_config) trains the learned sentinels (random-label, long-range, the planted
     leaks): small, so that a few hundred steps separate a leak from a clean model;
   * the run model (the --config under test, default profile.run_config) trains on real text for the loss
-    floor, gate collapse and watchdog sentinels: the configuration that is about to be launched.
+    floor, gate collapse and watchdog sentinels (twice: contiguous windows, then packed documents with
+    data.packing varlen, both with profile.real_text) and is the model of doc_isolation: the configuration that
+    is about to be launched.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ PROFILES = {
         watchdog_plant_steps=30,
         loss_floor_plant={"train.steps": 300, "train.micro_batch_size": 4, "train.seq_len": 2048, "train.lr": 3e-3,
                           "train.warmup_steps": 10},
-        budget_s=480.0,
+        budget_s=540.0,  # 480 s before the packed (varlen) real-text run and doc_isolation (issue 9)
         run_cap_s=55.0,
     ),
 }

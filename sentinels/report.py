@@ -67,9 +67,10 @@ def _reference_lines(result: SentinelResult) -> dict[str, float]:
                 m["ln_v"] - thresholds.RANDOM_LABEL_MARGIN_NATS}
     if result.name == "long_range" and "chance" in m:
         return {"chance ln(n_values)": m["chance"], "full must reach": thresholds.LONG_RANGE_FULL_MAX_ANSWER_LOSS}
-    if result.name == "loss_floor":
+    name = result.name.removesuffix("_varlen")  # the real-text verdicts of the packed (varlen) run
+    if name == "loss_floor":
         return {"loss floor": thresholds.LOSS_FLOOR_NATS}
-    if result.name == "gate_collapse":
+    if name == "gate_collapse":
         return {"high": thresholds.GATE_COLLAPSE_HIGH, "low": thresholds.GATE_COLLAPSE_LOW}
     return {}
 

@@ -1,15 +1,21 @@
 """The sentinel suite: short runs with named verdicts, and the sensitivity self-test with planted faults.
 
 Sentinels (thresholds: sentinels/thresholds.py; docs/sentinels.md):
-  label_shift    every pipeline batch satisfies labels[:, :-1] == inputs[:, 1:]; misaligned batches are refused
+  label_shift    every pipeline batch satisfies labels[:, :-1] == inputs[:, 1:] (packed batches: the same shift
+                 inside each document, the ignore label at its end); misaligned or boundary-crossing batches
+                 are refused
+  doc_isolation  packed documents (data.packing varlen) on the run model: changing one document's tokens moves no
+                 logit of another document, and each document's logits equal those of the document run alone
   random_label   i.i.d. uniform tokens: the held-out loss stays within RANDOM_LABEL_MARGIN_NATS of ln(V)
   long_range     needle recall beyond the window: full NSA learns it, locals-only (g_cmp = g_slc = 0) cannot
   loss_floor     real text: no step loss below the floor (the trainer's LossFloorMonitor)
   gate_collapse  real text: no branch gate pinned near 0 or 1 (GateCollapseMonitor); gate stats every step
   watchdog       real text: no non-finite/zero gradient or stalled heartbeat (FAIL); throughput or data-fetch
                  slowdowns are WARN (they depend on the machine's load)
+  loss_floor_varlen, gate_collapse_varlen, watchdog_varlen: the real-text run again with data.packing varlen
 Self-test: the same sentinels with planted faults must trip (kv_next_token and cmp_block_early leaks,
-misaligned labels, saturated gates, a NaN weight, a slowing data source).
+misaligned labels, labels across document boundaries, a cross-document attention leak, saturated gates, a NaN
+weight, a slowing data source).
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import torch
 
 from . import thresholds
 from .config import RunConfig
-from .data.batch import Batch, LabelShiftError, check_next_token_alignment
+from .data.batch import Batch, LabelShiftError, check_next_token_alignment, check_packed_alignment
+from .data.packing import cu_seqlens_of
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
-from .model import lm_loss
+from .model import build_model, lm_loss, packs_documents
 from .profiles import Profile
 from .trainer import Trainer, TrainResult
 
@@ -118,7 +125,7 @@ class SentinelRunner:
         for _ in range(n_batches):
             batch = source.next_batch().to(trainer.device)
             with trainer._autocast():
-                logits = model(batch.inputs)
+                logits = model(batch.inputs, batch.cu_seqlens)
             losses.append(float(lm_loss(logits, batch.labels, batch.loss_mask)))
             hits = (logits.argmax(-1) == batch.labels).float()
             mask = torch.ones_like(hits) if batch.loss_mask is None else batch.loss_mask
@@ -128,43 +135,108 @@ class SentinelRunner:
 
     # -- sentinels ---------------------------------------------------------------------------------
     def label_shift(self, make_batch: Callable[[torch.Tensor], Batch] = Batch.from_windows,
+                    make_packed: Callable[[torch.Tensor, torch.Tensor], Batch] = Batch.packed,
                     planted: str | None = None) -> SentinelResult:
-        """Pipeline batches (synthetic tasks and, if available, real text) pass the alignment check, and the
-        check refuses labels equal to the inputs or shifted by two."""
+        """Pipeline batches (synthetic tasks and, if available, real text; contiguous windows and packed
+        documents) pass the alignment check, and the check refuses labels equal to the inputs, shifted by two,
+        or crossing a document boundary."""
         t0 = time.monotonic()
-        sources = {"uniform": self.probe_config.replace(**{"data.source": "synthetic", "data.synthetic.task": "uniform"}),
+        uniform = {"data.source": "synthetic", "data.synthetic.task": "uniform"}
+        sources = {"uniform": self.probe_config.replace(**uniform),
                    "needle_recall": self.probe_config.replace(**{"data.source": "synthetic",
                                                                   "data.synthetic.task": "needle_recall"})}
+        packed_sources = {"uniform varlen": self.probe_config.replace(**uniform, **{"data.packing": "varlen"})}
         if self.corpus is not None:
-            sources["real_text"] = self.run_config.replace(**{"data.source": "jsonl", "data.paths": [str(self.corpus)]})
+            real_text = {"data.source": "jsonl", "data.paths": [str(self.corpus)]}
+            sources["real_text"] = self.run_config.replace(**real_text)
+            packed_sources["real_text varlen"] = self.run_config.replace(**real_text, **{"data.packing": "varlen"})
         checked, problems = 0, []
-        for label, cfg in sources.items():
+        for label, cfg in {**sources, **packed_sources}.items():
             src = BatchSource(cfg, ShardSpec(0, 1), synthetic_on_fail=False)
             for _ in range(self.profile.label_shift_batches):
                 batch = src.next_batch()
-                windows = torch.cat([batch.inputs, batch.labels[:, -1:]], dim=1)
                 try:
-                    rebuilt = make_batch(windows)  # the window -> (inputs, labels) step under test
-                    check_next_token_alignment(rebuilt.inputs, rebuilt.labels)
+                    if label in packed_sources:  # the (tokens, boundaries) -> (inputs, labels) step under test
+                        rebuilt = make_packed(batch.inputs[0], batch.cu_seqlens)
+                        check_packed_alignment(rebuilt.inputs, rebuilt.labels, rebuilt.cu_seqlens)
+                    else:  # the window -> (inputs, labels) step under test
+                        rebuilt = make_batch(torch.cat([batch.inputs, batch.labels[:, -1:]], dim=1))
+                        check_next_token_alignment(rebuilt.inputs, rebuilt.labels)
                 except LabelShiftError as exc:
                     problems.append(f"{label}: {exc}")
                     break
                 checked += 1
         refused = 0
         windows = torch.arange(2 * 9).view(2, 9)
-        for name, inputs, labels in (("labels == inputs", windows[:, :-1], windows[:, :-1]),
-                                     ("labels shifted by 2", windows[:, :-2], windows[:, 2:])):
+        tokens, boundaries = torch.arange(10)[None], cu_seqlens_of([4, 6])
+        misaligned = {"labels == inputs": lambda: Batch(inputs=windows[:, :-1], labels=windows[:, :-1]),
+                      "labels shifted by 2": lambda: Batch(inputs=windows[:, :-2], labels=windows[:, 2:]),
+                      "a label across a document boundary": lambda: Batch(
+                          inputs=tokens, labels=tokens + 1, loss_mask=torch.ones(1, 10), cu_seqlens=boundaries)}
+        for name, build in misaligned.items():
             try:
-                Batch(inputs=inputs, labels=labels)
+                build()
                 problems.append(f"the check accepted a misaligned batch ({name})")
             except LabelShiftError:
                 refused += 1
         verdict = PASS if not problems else FAIL
-        summary = (f"{checked} pipeline batches aligned; {refused}/2 misaligned batches refused"
+        summary = (f"{checked} pipeline batches aligned ({len(packed_sources)} packed sources); "
+                   f"{refused}/{len(misaligned)} misaligned batches refused"
                    if not problems else f"{len(problems)} problem(s); first: {problems[0]}")
-        return SentinelResult("label_shift", verdict, summary, "labels[:, :-1] == inputs[:, 1:] for every batch",
+        return SentinelResult("label_shift", verdict, summary,
+                              "labels[:, :-1] == inputs[:, 1:] for every batch; packed: the same inside each "
+                              "document and the ignore label at its last token",
                               metrics={"batches_checked": checked, "misaligned_refused": refused},
                               wall_s=time.monotonic() - t0, planted=planted)
+
+    def doc_isolation(self, leak: str = "none", planted: str | None = None) -> SentinelResult:
+        """The run model (untrained, fp32, TF32 off) on one packed row of documents of edge lengths: changing one
+        document's tokens must move no logit of another document, and each document's logits must equal those
+        of the document run alone."""
+        t0 = time.monotonic()
+        cfg = self.run_config.replace(**{"data.packing": "varlen", "model.debug.leak": leak})
+        if not packs_documents(cfg.model.attention):
+            return SentinelResult("doc_isolation", SKIP, f"model.attention {cfg.model.attention!r}: its "
+                                  "NSAAttention seams do not take cu_seqlens", "-", planted=planted)
+        device = torch.device(self.profile.device)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg).to(device).eval()
+        lengths = isolation_lengths(cfg.model.nsa_config())
+        bounds = cu_seqlens_of(lengths).tolist()
+        spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        vocab = cfg.vocab_size()
+        tokens = torch.randint(0, vocab, (1, bounds[-1]), generator=torch.Generator().manual_seed(0)).to(device)
+        cu = cu_seqlens_of(lengths).to(device)
+        alone_diff, perturb_diff, own_change = 0.0, 0.0, float("inf")
+        with torch.no_grad(), _no_tf32():
+            packed = model(tokens, cu).float()
+            scale = float(packed.abs().max().clamp(min=1e-30))
+            for a, b in spans:
+                alone = model(tokens[:, a:b]).float()
+                alone_diff = max(alone_diff, float((alone - packed[:, a:b]).abs().max()) / scale)
+                changed = tokens.clone()
+                changed[:, a:b] = (changed[:, a:b] + 1) % vocab
+                diff = (model(changed, cu).float() - packed).abs().amax(-1)[0] / scale
+                outside = torch.cat([diff[:a], diff[b:]])
+                perturb_diff = max(perturb_diff, float(outside.max()) if outside.numel() else 0.0)
+                own_change = min(own_change, float(diff[a:b].max()))
+        problems = []
+        if perturb_diff > thresholds.DOC_ISOLATION_PERTURB_MAX:
+            problems.append("changing one document moved another document's logits: attention crosses a boundary")
+        if alone_diff > thresholds.DOC_ISOLATION_ALONE_MAX:
+            problems.append("a packed document's logits differ from the document run alone")
+        if own_change <= 0:
+            problems.append("changing a document's tokens did not change its own logits: the check saw nothing")
+        return SentinelResult(
+            "doc_isolation", FAIL if problems else PASS,
+            f"{len(spans)} documents {lengths} packed: other documents moved by {perturb_diff:.2e}, packed vs alone "
+            f"{alone_diff:.2e} (relative to max |logit| {scale:.3g})" + ("" if not problems else " - "
+                                                                           + "; ".join(problems)),
+            f"other documents move <= {thresholds.DOC_ISOLATION_PERTURB_MAX:g}, packed vs alone <= "
+            f"{thresholds.DOC_ISOLATION_ALONE_MAX:g} (relative to max |logit|)",
+            metrics={"lengths": lengths, "perturb_max_rel": perturb_diff, "alone_max_rel": alone_diff,
+                     "own_change_min_rel": own_change, "logit_scale": scale, "attention": cfg.model.attention},
+            wall_s=time.monotonic() - t0, planted=planted)
 
     def random_label(self, leak: str = "none", planted: str | None = None) -> SentinelResult:
         t0 = time.monotonic()
@@ -216,23 +288,30 @@ class SentinelRunner:
 
     def real_text(self, *, leak: str = "none", gate_override: str = "none", steps: int | None = None,
                   planted: str | None = None, step_hook=None, slow_data_after: int | None = None,
-                  synthetic: bool = False, base: str = "run", overrides: dict | None = None) -> list[SentinelResult]:
+                  synthetic: bool = False, base: str = "run", overrides: dict | None = None,
+                  packing: str = "contiguous") -> list[SentinelResult]:
         """One training run on real text -> loss_floor, gate_collapse, watchdog verdicts. base: "run" (the
         config under test, with profile.real_text) or "probe" (the probe model, with `overrides`); synthetic:
-        uniform tokens on the probe model instead (planted faults that need no text)."""
+        uniform tokens on the probe model instead (planted faults that need no text); packing "varlen": the
+        documents packed with their boundaries (the verdicts' names end in _varlen)."""
         t0 = time.monotonic()
+        suffix = "_varlen" if packing == "varlen" else ""
+        names = [f"{name}{suffix}" for name in ("loss_floor", "gate_collapse", "watchdog")]
         if synthetic:  # planted-fault runs that need no text: the probe model on the random-label task
             base_cfg = self.probe_config
             overrides = {**self.profile.random_label, "data.source": "synthetic", "data.synthetic.task": "uniform"}
         elif self.corpus is None:
             return [SentinelResult(name, SKIP, "no real-text corpus (run `python -m sentinels prepare wiki` or "
-                                   "install gensim)", "-", planted=planted)
-                    for name in ("loss_floor", "gate_collapse", "watchdog")]
+                                   "install gensim)", "-", planted=planted) for name in names]
         else:
             base_cfg = self.run_config if base == "run" else self.probe_config
             overrides = {**(self.profile.real_text if overrides is None else overrides), "data.source": "jsonl",
                          "data.paths": [str(self.corpus)]}
-        overrides.update({"model.debug.leak": leak, "model.debug.gate_override": gate_override})
+        if packing == "varlen" and not packs_documents(base_cfg.model.attention):
+            return [SentinelResult(name, SKIP, f"model.attention {base_cfg.model.attention!r}: its NSAAttention "
+                                   "seams do not take cu_seqlens", "-", planted=planted) for name in names]
+        overrides.update({"model.debug.leak": leak, "model.debug.gate_override": gate_override,
+                          "data.packing": packing})
         if steps is not None:
             overrides["train.steps"] = steps
             overrides["train.warmup_steps"] = min(overrides.get("train.warmup_steps", 0), steps)
@@ -251,7 +330,7 @@ class SentinelRunner:
         floor_events = [e for e in result.events if e.kind == "loss_floor"]
         finite = [x for x in losses if math.isfinite(x)]
         floor = SentinelResult(
-            "loss_floor", FAIL if floor_events else PASS,
+            names[0], FAIL if floor_events else PASS,
             (floor_events[0].message if floor_events else
              f"min step loss {min(finite) if finite else float('nan'):.4f} >= floor "
              f"{cfg.monitors.loss_floor.threshold} over {result.steps_done} steps") + cut,
@@ -266,7 +345,7 @@ class SentinelRunner:
         last = result.records[-1] if result.records else {}
         gate_summary = ", ".join(f"{b} {last.get(f'gate_mean_{b}', float('nan')):.3f}" for b in ("cmp", "slc", "win"))
         gate = SentinelResult(
-            "gate_collapse", FAIL if (collapse or not stats_ok) else PASS,
+            names[1], FAIL if (collapse or not stats_ok) else PASS,
             (("; ".join(e.message for e in collapse[:3])) if collapse else
              ("gate statistics missing or outside [0, 1]" if not stats_ok else
               f"final mean gates {gate_summary}; no collapse in {result.steps_done} steps")) + cut,
@@ -284,7 +363,7 @@ class SentinelRunner:
         soft = [e for e in result.events if e.kind in ("throughput_drop", "fetch_slowdown", "data_fallback")]
         tps = [r["tokens_per_s"] for r in (result.records[2:] or result.records)] or [0.0]
         watchdog = SentinelResult(
-            "watchdog", FAIL if hard else (WARN if soft else PASS),
+            names[2], FAIL if hard else (WARN if soft else PASS),
             ("; ".join(e.message for e in (hard + soft)[:3]) if (hard or soft) else
              f"no events; median tokens/s {sorted(tps)[len(tps) // 2]:.0f}") + cut,
             "FAIL: non-finite/zero grad, heartbeat stall; WARN: tokens/s drop > "
@@ -304,9 +383,11 @@ class SentinelRunner:
         results: list[SentinelResult] = []
         plan: list[tuple[str, Callable[[], list[SentinelResult]]]] = [
             ("label_shift", lambda: [self.label_shift()]),
+            ("doc_isolation", lambda: [self.doc_isolation()]),
             ("random_label", lambda: [self.random_label()]),
             ("long_range", lambda: [self.long_range()]),
             ("real_text", lambda: self.real_text()),
+            ("real_text varlen", lambda: self.real_text(packing="varlen")),
         ]
         selftests: list[tuple[str, str, Callable[[], list[SentinelResult]]]] = []
         if selftest:
@@ -321,6 +402,11 @@ class SentinelRunner:
                                         planted="kv_next_token")),
                 ("labels misaligned", "label_shift",
                  lambda: [self.label_shift(make_batch=misaligned_batch, planted="labels == inputs")]),
+                ("labels across document boundaries", "label_shift",
+                 lambda: [self.label_shift(make_packed=cross_boundary_batch,
+                                           planted="packed labels shifted over the whole row")]),
+                ("leak: cross_document", "doc_isolation",
+                 lambda: [self.doc_isolation(leak="cross_document", planted="cross_document")]),
                 ("gates saturated", "gate_collapse",
                  lambda: self.real_text(gate_override="saturated", steps=collapse_steps, synthetic=True,
                                         planted="every gate = 1")),
@@ -371,6 +457,32 @@ def overall_verdict(results: list[SentinelResult], planted: list[SentinelResult]
 def misaligned_batch(windows: torch.Tensor) -> Batch:
     """A planted fault: labels equal to the inputs (no shift)."""
     return Batch(inputs=windows[:, :-1], labels=windows[:, :-1])
+
+
+def cross_boundary_batch(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> Batch:
+    """A planted fault: a packed row labelled like one contiguous window (each document's last position is
+    labelled with the next document's first token)."""
+    inputs = tokens.reshape(1, -1).long()
+    labels = torch.cat([inputs[:, 1:], inputs[:, :1]], dim=1)
+    return Batch(inputs=inputs, labels=labels, loss_mask=torch.ones(inputs.shape), cu_seqlens=cu_seqlens)
+
+
+def isolation_lengths(cfg) -> list[int]:
+    """The doc_isolation documents, from the NSA config (Eq. 7 l, Eq. 11 l', window w): shorter than one
+    compressed block, one token, empty, exactly one selection block, past the window, several selection blocks,
+    exactly one compressed block."""
+    return [cfg.cmp_block - 1, 1, 0, cfg.sel_block, cfg.window_size + 3, 2 * cfg.sel_block + 5, cfg.cmp_block]
+
+
+class _no_tf32:
+    """fp32 matmuls without TF32 (the trainer turns it on for CUDA) while the isolation check runs."""
+
+    def __enter__(self):
+        self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
 
 
 def plant_nan_at(step: int):

@@ -25,3 +25,9 @@ WATCHDOG_BASELINE_STEPS = 10  # steps (after the first two, which include warm-u
 RANDOM_LABEL_MARGIN_NATS = 0.10  # |eval loss - ln V| must be <= this; a leak drives the loss far below ln V
 LONG_RANGE_FULL_MAX_ANSWER_LOSS = 0.50  # full NSA must reach this answer loss (nats) on needle recall
 LONG_RANGE_LOCAL_MARGIN_NATS = 0.25  # locals-only answer loss must stay >= ln(n_values) - this
+
+# Document isolation (data.packing varlen): the run model, untrained, on one packed row of documents.
+DOC_ISOLATION_PERTURB_MAX = 1e-5  # max |logit change| in the OTHER documents when one document's tokens change,
+#                                   relative to the largest |logit|: a leak-free model changes them not at all
+DOC_ISOLATION_ALONE_MAX = 1e-3  # max |packed logits - the document run alone| relative to the largest |logit|
+#                                 (shapes differ, so fp32 reductions may round differently; TF32 is off for it)

@@ -5,7 +5,6 @@ bit; the trainer CLI's --packing flag; telemetry and metadata record the packing
 from __future__ import annotations
 
 import csv
-import inspect
 import json
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from sentinels.data.pipeline import BatchSource
 from sentinels.data.sources import LocalCorpus, LocalDocuments, ShardSpec
 from sentinels.data.synthetic import SyntheticBatchSource
 from sentinels.data.tokenizers import ByteTokenizer
-from sentinels.model import attention_class, build_model, lm_loss
+from sentinels.model import build_model, lm_loss, packs_documents
 from sentinels.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,15 +27,9 @@ TINY = ROOT / "configs" / "tiny-cpu.yaml"
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
-def _packs_documents(name: str) -> bool:
-    """Whether the attention class's seams take cu_seqlens (the optimized module gains it in issue 9)."""
-    cls = attention_class(name)
-    return all("cu_seqlens" in inspect.signature(getattr(cls, seam)).parameters
-               for seam in ("project", "functional_forward"))
-
-
-# The attention every trainer test here runs: the optimized module once it packs documents, else the reference.
-PACKED_ATTENTION = "optimized" if _packs_documents("optimized") else "reference"
+# The attention every trainer test here runs: the optimized module once its seams take cu_seqlens (issue 9),
+# else the reference.
+PACKED_ATTENTION = "optimized" if packs_documents("optimized") else "reference"
 
 
 # ---------------------------------------------------------------------------------------------- labels
@@ -184,7 +177,7 @@ LENGTHS = [5, 17, 1, 0, 30, 11]  # shorter than l, one token, empty, longer than
 
 @pytest.mark.parametrize("attention", ["reference", "optimized"])
 def test_a_packed_row_computes_what_each_document_alone_does(attention):
-    if not _packs_documents(attention):
+    if not packs_documents(attention):
         pytest.skip(f"{attention}.NSAAttention's seams do not take cu_seqlens yet")
     model = _lm(attention)
     tokens = torch.randint(0, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(2))

@@ -17,7 +17,9 @@ import pytest
 
 from sentinels.config import load_config
 from sentinels.profiles import PROFILES
-from sentinels.suite import (FAIL, PASS, WARN, SentinelRunner, misaligned_batch, overall_verdict, plant_nan_at)
+from sentinels.model import packs_documents
+from sentinels.suite import (FAIL, PASS, WARN, SentinelRunner, cross_boundary_batch, misaligned_batch,
+                             overall_verdict, plant_nan_at)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
@@ -51,9 +53,44 @@ CI_RANDOM_LABEL = {"train.steps": 60, "train.micro_batch_size": 8, "train.seq_le
 def test_label_shift_passes_clean_and_trips_on_misaligned_labels(tmp_path, corpus):
     runner = _runner(tmp_path, corpus)
     clean = runner.label_shift()
-    assert clean.verdict == PASS and clean.metrics["batches_checked"] == 3 * 8
+    # 3 contiguous sources (uniform, needle recall, real text) and 2 packed ones (uniform, real text)
+    assert clean.verdict == PASS and clean.metrics["batches_checked"] == 5 * 8
+    assert clean.metrics["misaligned_refused"] == 3
     planted = runner.label_shift(make_batch=misaligned_batch, planted="labels == inputs")
     assert planted.verdict == FAIL and "label misalignment" in planted.summary
+    across = runner.label_shift(make_packed=cross_boundary_batch, planted="packed labels over the whole row")
+    assert across.verdict == FAIL and "crosses a document boundary" in across.summary
+
+
+# The packed-document sentinels run the optimized module once its seams take cu_seqlens (issue 9), else the
+# reference.
+PACKED_TINY = TINY if packs_documents("optimized") else None
+
+
+def _packed_runner(tmp_path, corpus=None, **profile_changes):
+    runner = _runner(tmp_path, corpus, **profile_changes)
+    if PACKED_TINY is None:
+        runner.run_config = runner.run_config.replace(**{"model.attention": "reference"})
+    return runner
+
+
+def test_doc_isolation_passes_clean_and_trips_on_a_cross_document_leak(tmp_path):
+    runner = _packed_runner(tmp_path)
+    clean = runner.doc_isolation()
+    assert clean.verdict == PASS, clean.summary
+    assert clean.metrics["perturb_max_rel"] == 0.0 and clean.metrics["own_change_min_rel"] > 0
+    leak = runner.doc_isolation(leak="cross_document", planted="cross_document")
+    assert leak.verdict == FAIL and "attention crosses a boundary" in leak.summary
+
+
+def test_real_text_runs_packed_too(tmp_path, corpus):
+    runner = _packed_runner(tmp_path, corpus, real_text={"train.steps": 4, "train.micro_batch_size": 2,
+                                                         "train.seq_len": 32, "train.warmup_steps": 1})
+    floor, gate, watchdog = runner.real_text(packing="varlen")
+    assert (floor.name, gate.name, watchdog.name) == ("loss_floor_varlen", "gate_collapse_varlen", "watchdog_varlen")
+    assert floor.verdict == PASS and gate.verdict == PASS and watchdog.verdict in (PASS, WARN)
+    run_dir = Path(runner.work_dir) / "run01"
+    assert json.loads((run_dir / "metadata.json").read_text())["packing"] == "varlen"
 
 
 def test_random_label_clean_passes_and_next_token_leak_trips(tmp_path):
@@ -116,9 +153,10 @@ def test_cpu_profile_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "cpu-cpu.json").read_text())
     assert report["verdict"] == PASS
-    assert {s["name"] for s in report["sentinels"]} == {"label_shift", "random_label", "long_range", "loss_floor",
-                                                        "gate_collapse", "watchdog"}
-    assert all(p["tripped"] for p in report["planted"]) and len(report["planted"]) >= 6
+    assert {s["name"] for s in report["sentinels"]} == {"label_shift", "doc_isolation", "random_label", "long_range",
+                                                        "loss_floor", "gate_collapse", "watchdog", "loss_floor_varlen",
+                                                        "gate_collapse_varlen", "watchdog_varlen"}
+    assert all(p["tripped"] for p in report["planted"]) and len(report["planted"]) >= 8
     assert all((tmp_path / s["plot"]).exists() for s in report["sentinels"] if s["plot"])
 
 
@@ -145,6 +183,7 @@ def test_gpu_profile_plumbing_on_cpu(tmp_path, corpus):
     runner = SentinelRunner(profile, run_config=load_config(gpu.run_config), probe_config=load_config(gpu.probe_config),
                             work_dir=tmp_path / "work", corpus=corpus, budget_s=1800, log=lambda msg: None)
     results, planted = runner.run_all()
-    assert [r.name for r in results] == ["label_shift", "random_label", "long_range", "loss_floor", "gate_collapse",
-                                         "watchdog"]
-    assert len(planted) == 7 and all(r.verdict != "SKIP" for r in results + planted)
+    assert [r.name for r in results] == ["label_shift", "doc_isolation", "random_label", "long_range", "loss_floor",
+                                         "gate_collapse", "watchdog", "loss_floor_varlen", "gate_collapse_varlen",
+                                         "watchdog_varlen"]
+    assert len(planted) == 9 and all(r.verdict != "SKIP" for r in results + planted)
