@@ -19,6 +19,7 @@ from .flops import StageWork, selected_token_count
 from .implementations import parse_impls
 from .report import make_report
 from .results import ERROR, OK, OOM, RESULTS_CSV, Row, merge_rows, read_meta, read_rows, write_rows
+from .cases import WORKLOADS
 from .runner import Runner
 from .spec import LAYER, NSA_STAGES, PASSES, preset
 
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--time-budget", type=float, help="seconds; cases that would end past it are skipped")
     run.add_argument("--impls", default="sdpa,nsa", help="sdpa, nsa, nsa[backend=torch,chunk_size=4096], ...")
     run.add_argument("--nsa-impl", default="optimized", help="module with the contract functions (or mod:attr)")
+    run.add_argument("--workload", choices=tuple(WORKLOADS), default="single",
+                     help="single: one sequence of T tokens per row; packed: one row of documents of mixed lengths "
+                          "(cu_seqlens; SDPA one call per document). Add --merge to keep the other workload's rows")
     run.add_argument("--stages", type=_names(NSA_STAGES, "--stages"), help=f"subset of {NSA_STAGES}")
     run.add_argument("--passes", type=_names(PASSES, "--passes"), help=f"subset of {PASSES}")
     run.add_argument("--out", type=Path, help="results folder (default reports/perf, or $OUT/perf when $OUT is set)")
@@ -144,7 +148,8 @@ def cmd_run(args) -> int:
     if args.compare_baseline and not args.update_baseline and not baseline_file.exists():
         raise ValueError(f"--compare-baseline: no baseline {baseline_file}; write one with --update-baseline")
     print(f"perf: {env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
-          f"spec {spec.name} T={list(spec.seq_lens)} | impls {args.impls} | budget {spec.time_budget_s:.0f} s")
+          f"spec {spec.name} T={list(spec.seq_lens)} | workload {args.workload} | impls {args.impls} | budget "
+          f"{spec.time_budget_s:.0f} s")
 
     if spec.rounds * spec.repeats < 20:
         print(f"perf: note: {spec.rounds} rounds x {spec.repeats} runs = {spec.rounds * spec.repeats} timed runs per "
@@ -154,7 +159,7 @@ def cmd_run(args) -> int:
         raise ValueError(f"--merge/--resume: {out_dir} holds results of different shapes/config; use another --out")
     old_rows = read_rows(out_dir / RESULTS_CSV) if old_meta and (out_dir / RESULTS_CSV).exists() else []
     done = frozenset(r.key for r in old_rows if r.status in (OK, OOM)) if args.resume else frozenset()
-    runner = Runner(spec, device, with_sdpa, variants)
+    runner = Runner(spec, device, with_sdpa, variants, workload=args.workload)
     ceilings = runner.measure_ceilings()
     meta = {"env": env, "spec": spec.to_dict(), "shape_key": spec.shape_key(), "ceilings": ceilings.to_dict(),
             "impls": args.impls, "nsa_impl": args.nsa_impl}

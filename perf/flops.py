@@ -3,6 +3,8 @@
 FLOPs (forward) of an attention branch = 2 * (d_k + d_v) per (query head, key) pair: one multiply-add per
 element of q.k (d_k) and of p.v (d_v). Pairs per branch:
 - full causal attention (SDPA): T(T+1)/2 per head;
+Packed batches (the "packed" workload, issue 9): every count is per document and summed over the documents
+(StageWork(lengths=...)), since nothing attends across a document boundary.
 - compressed (Eq. 7): the compressed blocks visible to each query, sum over p of N_cmp(p);
 - window (Sec. 3.3.3): sum over p of min(p + 1, window size);
 - selected (Eq. 12): tokens of the selected blocks clipped to <= p, COUNTED from the index tensor the
@@ -77,11 +79,15 @@ def window_pairs(T: int, cfg: NSAConfig) -> int:
     return int(torch.clamp(p + 1, max=cfg.window_size).sum())
 
 
-def selected_token_count(indices: Tensor, sel_block: int) -> int:
+def selected_token_count(indices: Tensor, sel_block: int, doc_start: Tensor | None = None) -> int:
     """Tokens the selected branch reads, summed over (batch, query, group): for each index j >= 0 in
-    indices [B, T, Hkv, n] the keys j*l' .. min((j+1)*l', p+1) - 1 of the query at position p (Eq. 12)."""
+    indices [B, T, Hkv, n] the keys j*l' .. min((j+1)*l', p+1) - 1 of the query at position p (Eq. 12).
+    doc_start [T] (packed batch): indices are document-relative, p is the position inside the document."""
     B, T, Hkv, n = indices.shape
-    p = torch.arange(T, device=indices.device, dtype=torch.int64).view(1, T, 1, 1)
+    p = torch.arange(T, device=indices.device, dtype=torch.int64)
+    if doc_start is not None:
+        p = p - doc_start.to(device=indices.device, dtype=torch.int64)
+    p = p.view(1, T, 1, 1)
     start = indices.to(torch.int64) * sel_block
     tokens = torch.clamp(torch.minimum(start + sel_block, p + 1) - start, min=0)
     return int(torch.where(indices >= 0, tokens, torch.zeros_like(tokens)).sum())
@@ -95,11 +101,19 @@ def _attention_work(pair_flops: float, in_bytes: float, out_bytes: float) -> Wor
 
 
 class StageWork:
-    """FLOPs and bytes of every stage for one (T, batch, config, element size)."""
+    """FLOPs and bytes of every stage for one (T, batch, config, element size). lengths: the documents of a
+    packed row (summing to T); default one sequence of T tokens."""
 
-    def __init__(self, T: int, cfg: NSAConfig, batch: int, elem_bytes: int, phi_hidden: int):
+    def __init__(self, T: int, cfg: NSAConfig, batch: int, elem_bytes: int, phi_hidden: int,
+                 lengths: tuple[int, ...] | None = None):
         self.T, self.cfg, self.B, self.e, self.phi_hidden = T, cfg, batch, elem_bytes, phi_hidden
-        self.n_cmp_blocks = max(0, (T - cfg.cmp_block) // cfg.cmp_stride + 1)
+        self.lengths = (T,) if lengths is None else tuple(lengths)
+        if sum(self.lengths) != T or any(n < 0 for n in self.lengths):
+            raise ValueError(f"StageWork.lengths must be non-negative and sum to T = {T}, got {self.lengths}")
+        self.n_cmp_blocks = sum(max(0, (n - cfg.cmp_block) // cfg.cmp_stride + 1) for n in self.lengths)
+
+    def _pairs(self, per_document) -> int:
+        return sum(per_document(n) for n in self.lengths if n > 0)
 
     # sizes in bytes
     def _q(self) -> float:
@@ -123,7 +137,7 @@ class StageWork:
         return 2.0 * (c.head_dim_qk + c.head_dim_v) * c.n_heads * self.B * pairs
 
     def sdpa(self) -> Work:
-        return _attention_work(self._per_head_pair_flops(causal_pairs(self.T)), self._q() + self._kv(),
+        return _attention_work(self._per_head_pair_flops(self._pairs(causal_pairs)), self._q() + self._kv(),
                                self._o() + self._lse())
 
     def compress(self) -> Work:
@@ -143,12 +157,12 @@ class StageWork:
                     bwd_bytes=2 * (self._kv() + weight_bytes) + 2 * self._kv_cmp())
 
     def cmp_attn(self) -> Work:
-        return _attention_work(self._per_head_pair_flops(compressed_pairs(self.T, self.cfg)),
+        return _attention_work(self._per_head_pair_flops(self._pairs(lambda n: compressed_pairs(n, self.cfg))),
                                self._q() + self._kv_cmp(), self._o() + self._lse())
 
     def select(self) -> Work:
         c = self.cfg
-        flops = 2.0 * c.head_dim_qk * c.n_heads * self.B * compressed_pairs(self.T, c)
+        flops = 2.0 * c.head_dim_qk * c.n_heads * self.B * self._pairs(lambda n: compressed_pairs(n, c))
         indices = self.B * self.T * c.n_kv_heads * c.n_sel * 8
         k_cmp = self.B * self.n_cmp_blocks * c.n_kv_heads * c.head_dim_qk * self.e
         return Work(fwd_flops=flops, bwd_flops=0.0, fwd_bytes=self._q() + k_cmp + indices, bwd_bytes=0.0)
@@ -163,7 +177,8 @@ class StageWork:
         return _attention_work(flops, self._q() + self._kv() + indices, self._o() + self._lse())
 
     def window(self) -> Work:
-        return _attention_work(self._per_head_pair_flops(window_pairs(self.T, self.cfg)), self._q() + self._kv(),
+        return _attention_work(self._per_head_pair_flops(self._pairs(lambda n: window_pairs(n, self.cfg))),
+                               self._q() + self._kv(),
                                self._o() + self._lse())
 
     def gate(self) -> Work:

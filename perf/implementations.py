@@ -68,17 +68,22 @@ class NSAImplementation:
             return False
         return key in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
-    def call(self, name: str, *args: Any) -> Any:
-        """target.name(*args) with this variant's keyword arguments that the function accepts."""
+    def call(self, name: str, *args: Any, **required: Any) -> Any:
+        """target.name(*args) with this variant's keyword arguments that the function accepts, plus `required`
+        keywords (the packed workload's cu_seqlens), which it must accept (ValueError naming both otherwise)."""
+        for key in required:
+            if not self._accepts(name, key):
+                raise ValueError(f"implementation {self.label!r}: {name} takes no {key!r} keyword, which this "
+                                 f"workload needs")
         kwargs = {k: v for k, v in self.kwargs.items() if self._accepts(name, k)}
-        return getattr(self.target, name)(*args, **kwargs)
+        return getattr(self.target, name)(*args, **kwargs, **required)
 
-    def select(self, q, k_cmp, cfg):
+    def select(self, q, k_cmp, cfg, **required: Any):
         """Eq. 8-11 as the implementation's layer runs it: its fused `selection_indices(q, k_cmp, cfg)` when it
         has one (no [T, T/l'] score tensor), else the contract's selection_scores then select_blocks."""
         if callable(getattr(self.target, "selection_indices", None)):
-            return self.call("selection_indices", q, k_cmp, cfg)
-        return self.call("select_blocks", self.call("selection_scores", q, k_cmp, cfg), cfg)
+            return self.call("selection_indices", q, k_cmp, cfg, **required)
+        return self.call("select_blocks", self.call("selection_scores", q, k_cmp, cfg, **required), cfg, **required)
 
     @property
     def select_source(self) -> str:

@@ -24,6 +24,11 @@ PASS_TITLE = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 PLOTS = ("time_vs_T.png", "speedup.png", "stages.png", "tflops_vs_floor.png", "memory.png")
 
 
+def single_sequence(rows: list[Row]) -> list[Row]:
+    """The rows of the single-sequence workload: what the targets, the main tables and the plots are about."""
+    return [r for r in rows if r.workload == "single"]
+
+
 def _ok(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.status == OK and r.median_ms is not None]
 
@@ -275,10 +280,42 @@ def _target_line(idx, impl: str, pass_name: str, T: int, target: float, what: st
         ("MET" if ratio >= target else "NOT MET")
 
 
-def markdown(rows: list[Row], meta: dict, plot_dir_rel: str) -> str:
+def packed_section(rows: list[Row]) -> list[str]:
+    """Packed documents (issue 9) next to the single sequence of the same T: one table of whole-layer medians."""
+    packed = [r for r in rows if r.workload == "packed" and r.stage == LAYER]
+    if not packed:
+        return []
+    single, by_packed = _index(single_sequence(rows)), _index(packed)
+    impls = nsa_impls(packed)
+    out = ["### Packed documents (cu_seqlens) vs one sequence of the same length", "",
+           "One row of T tokens holding documents of mixed lengths (perf/cases.py packed_document_lengths: "
+           "log-uniform 128 .. T/4 tokens, fixed seed); NSA gets `cu_seqlens`, SDPA runs one causal call per "
+           "document. Single-sequence columns repeat the table above for the same T.", ""]
+    header = ["T", "documents", "pass", "SDPA packed ms"] + [f"{i} packed ms" for i in impls] + \
+             [f"{i} packed speedup" for i in impls] + ["SDPA single ms"] + [f"{i} single ms" for i in impls]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for T in sorted({r.seq_len for r in packed}):
+        for pass_name in PASSES:
+            base = by_packed.get((T, SDPA, LAYER, pass_name))
+            nsas = [by_packed.get((T, i, LAYER, pass_name)) for i in impls]
+            if base is None and not any(nsas):
+                continue
+            docs = next((r.documents for r in [base, *nsas] if r is not None and r.documents), None)
+            cells = [_t(T), str(docs or "-"), pass_name, _cell(base)] + [_cell(r) for r in nsas]
+            for r in nsas:
+                ok_pair = r and base and r.status == OK and base.status == OK
+                cells.append(f"{base.median_ms / r.median_ms:.2f}x" if ok_pair else "-")
+            cells += [_cell(single.get((T, SDPA, LAYER, pass_name)))]
+            cells += [_cell(single.get((T, i, LAYER, pass_name))) for i in impls]
+            out.append("| " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def markdown(all_rows: list[Row], meta: dict, plot_dir_rel: str) -> str:
     env = meta.get("env", {})
     spec = meta.get("spec", {})
     ceil = meta.get("ceilings") or {}
+    rows = single_sequence(all_rows)
     seq_lens = sorted({r.seq_len for r in rows})
     idx = _index(rows)
     out = [BEGIN, ""]
@@ -319,18 +356,20 @@ def markdown(rows: list[Row], meta: dict, plot_dir_rel: str) -> str:
                                                                       for r in nsas]
             out.append("| " + " | ".join(cells) + " |")
     out.append("")
+    out += packed_section(all_rows)
 
     out += ["### Per stage: time, achieved TFLOP/s, fraction of the measured peak, floors", "",
             "<details><summary>every row of results.csv</summary>", ""]
     out.append("floor = max(useful FLOPs / measured matmul peak, compulsory bytes / measured copy bandwidth); "
                "backward FLOPs follow the convention in perf/flops.py (attention 2.5x forward).")
     out.append("")
-    header = ["T", "impl", "stage", "pass", "median ms", "spread", "TFLOP/s", "% peak", "FLOP floor ms",
+    header = ["T", "workload", "impl", "stage", "pass", "median ms", "spread", "TFLOP/s", "% peak", "FLOP floor ms",
               "byte floor ms", "median / floor", "peak GiB", "note"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     order = {s: i for i, s in enumerate((*NSA_STAGES, LAYER))}
-    for r in sorted(rows, key=lambda r: (r.seq_len, r.impl != SDPA, r.impl, order.get(r.stage, 99), r.pass_name)):
-        cells = [_t(r.seq_len), r.impl, r.stage, r.pass_name, _cell(r),
+    for r in sorted(all_rows, key=lambda r: (r.workload != "single", r.workload, r.seq_len, r.impl != SDPA, r.impl,
+                                             order.get(r.stage, 99), r.pass_name)):
+        cells = [_t(r.seq_len), r.workload, r.impl, r.stage, r.pass_name, _cell(r),
                  f"{100 * r.spread:.1f}%" if r.spread is not None else "-",
                  f"{r.tflops:.3g}" if r.tflops is not None else "-",
                  f"{100 * r.frac_peak:.1f}%" if r.frac_peak is not None else "-",
@@ -339,7 +378,7 @@ def markdown(rows: list[Row], meta: dict, plot_dir_rel: str) -> str:
                  _gib(r.peak_mem_bytes), r.note.replace("|", "/")]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "</details>", ""]
-    spreads = sorted(r.spread for r in rows if r.spread is not None)
+    spreads = sorted(r.spread for r in all_rows if r.spread is not None)
     if spreads:
         out.append(f"Run-to-run spread between rounds over {len(spreads)} cases: median "
                    f"{100 * spreads[len(spreads) // 2]:.1f}%, max {100 * spreads[-1]:.1f}% (the regression gate's "
@@ -376,7 +415,7 @@ def make_report(rows: list[Row], results_dir: Path, readme: Path | None) -> list
     meta = read_meta(results_dir)
     env = meta.get("env", {})
     title = f"{env.get('device', '?')} | torch {env.get('torch', '?')} | triton {env.get('triton', '?')}"
-    paths = plot_all(rows, results_dir, title)
+    paths = plot_all(single_sequence(rows), results_dir, title)
     if readme is not None:
         rel = Path(_relpath(results_dir, readme.parent))
         write_readme_section(readme, markdown(rows, meta, rel.as_posix()))

@@ -33,6 +33,7 @@ class Row:
     pass_name: str
     status: str
     workload: str = "single"
+    documents: int | None = None  # documents packed into the row (packed workload; perf/cases.py)
     median_ms: float | None = None  # median of all timed runs of all rounds
     min_ms: float | None = None
     p20_ms: float | None = None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cases import WORKLOADS, Inputs, Prepared, build_nsa_case, build_sdpa_case
+from .cases import WORKLOADS, Inputs, Prepared, build_nsa_case, build_sdpa_case, document_lengths
 from .ceilings import Ceilings, measure_ceilings
 from .flops import StageWork
 from .implementations import SDPA, NSAImplementation
@@ -163,7 +163,7 @@ class Runner:
             row.start_mem_bytes = torch.cuda.memory_allocated(self.device)
         prepared = None
         try:
-            inputs = WORKLOADS[self.workload](spec, plan.seq_len, self.device, seed=plan.seq_len)
+            inputs = WORKLOADS[self.workload](spec, plan.seq_len, self.device, seed=self._seed(plan.seq_len))
             started = time.perf_counter()
             prepared = plan.build(inputs)  # includes the first call (compilation, autotuning)
             estimate = time.perf_counter() - started
@@ -197,6 +197,11 @@ class Runner:
         self._fill_work(row)
         return row
 
+    @staticmethod
+    def _seed(seq_len: int) -> int:
+        """The inputs' (and the packed documents') seed of one T: the same in every sweep."""
+        return seq_len
+
     def _fill_timing(self, row: Row, rounds: list[Samples]) -> None:
         everything = Samples([t for r in rounds for t in r.times_ms])
         row.median_ms = everything.median
@@ -210,7 +215,11 @@ class Runner:
 
     def _fill_work(self, row: Row) -> None:
         spec, c = self.spec, self.ceilings
-        work_model = StageWork(row.seq_len, spec.cfg, spec.batch, spec.torch_dtype.itemsize, spec.phi_width)
+        lengths = document_lengths(self.workload, row.seq_len, self._seed(row.seq_len))
+        if self.workload != "single":
+            row.documents = len(lengths)
+        work_model = StageWork(row.seq_len, spec.cfg, spec.batch, spec.torch_dtype.itemsize, spec.phi_width,
+                               lengths)
         work = work_model.sdpa() if row.impl == SDPA else work_model.stage(row.stage, row.selected_tokens)
         if work is None:
             return

@@ -219,3 +219,113 @@ def test_time_budget_skips_cases_and_resume_measures_them(tmp_path, one_thread):
     assert main(args + ["--resume", "--stages", "gate,window"]) == 0  # only the window case is new
     again = read_rows(out / "results.csv")
     assert len(again) == 4 and all(first[r.key] == r.median_ms for r in again if r.key in first)
+
+
+# Packed workload (issue 9): documents of mixed lengths in one row -------------------------------------------
+
+def test_packed_document_lengths_fill_the_row_with_mixed_documents():
+    from perf.cases import PACKED_MIN_DOCUMENT, packed_document_lengths
+
+    for T in (300, 4096, 65536):
+        lengths = packed_document_lengths(T, seed=T)
+        assert sum(lengths) == T and min(lengths) >= 1
+        assert lengths == packed_document_lengths(T, seed=T)  # the same documents in every sweep
+        assert all(n >= PACKED_MIN_DOCUMENT for n in lengths[:-1]) and max(lengths) <= max(PACKED_MIN_DOCUMENT, T // 4)
+    assert len(set(packed_document_lengths(65536, seed=1))) > 5
+
+
+def test_packed_inputs_need_batch_one():
+    from perf.cases import packed_inputs
+
+    with pytest.raises(ValueError, match="BenchSpec.batch must be 1"):
+        packed_inputs(preset("tiny", batch=2), 64, torch.device("cpu"), seed=0)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, SMALL.replace(cmp_visibility="strict")])
+def test_packed_work_counts_each_document_alone(cfg):
+    lengths = (7, 0, 40, 1, 57)
+    T = sum(lengths)
+    packed = StageWork(T, cfg, batch=1, elem_bytes=2, phi_hidden=16, lengths=lengths)
+    per_pair = 2 * (cfg.head_dim_qk + cfg.head_dim_v) * cfg.n_heads
+    cmp_pairs = sum(len(visible_compressed_blocks(p, compressed_block_count(n, cfg), cfg))
+                    for n in lengths for p in range(n))
+    win_pairs = sum(len(window_tokens(p, cfg)) for n in lengths for p in range(n))
+    assert packed.cmp_attn().flops("fwd") == per_pair * cmp_pairs
+    assert packed.window().flops("fwd") == per_pair * win_pairs
+    assert packed.sdpa().flops("fwd") == per_pair * sum(n * (n + 1) // 2 for n in lengths)
+    assert packed.n_cmp_blocks == sum(compressed_block_count(n, cfg) for n in lengths)
+    assert packed.sdpa().flops("fwd") < StageWork(T, cfg, 1, 2, 16).sdpa().flops("fwd")
+    with pytest.raises(ValueError, match="sum to T"):
+        StageWork(T + 1, cfg, batch=1, elem_bytes=2, phi_hidden=16, lengths=lengths)
+
+
+def test_selected_token_count_uses_document_relative_positions():
+    lengths = [20, 45]
+    doc_start = torch.tensor([0] * 20 + [20] * 45)
+    gen = torch.Generator().manual_seed(5)
+    T, H = sum(lengths), SMALL.n_kv_heads
+    indices = torch.full((1, T, H, SMALL.n_sel), -1, dtype=torch.int64)
+    expected = 0
+    for p in range(T):
+        rel = p - int(doc_start[p])
+        for g in range(H):
+            chosen = torch.randperm(rel // SMALL.sel_block + 1, generator=gen)[: SMALL.n_sel].sort().values
+            indices[0, p, g, : len(chosen)] = chosen
+            expected += len(selected_tokens(rel, [int(j) for j in chosen], SMALL))
+    assert selected_token_count(indices, SMALL.sel_block, doc_start) == expected
+    assert selected_token_count(indices, SMALL.sel_block) != expected  # absolute positions count other tokens
+
+
+def test_packed_workload_needs_cu_seqlens_in_every_stage(one_thread):
+    stages = {name: getattr(optimized, name) for name in
+              ("compress", "compressed_attention", "selection_scores", "select_blocks", "selected_attention",
+               "window_attention")}
+    stages["nsa_forward"] = lambda q, kv, gates, cfg, phi=None: optimized.nsa_forward(q, kv, gates, cfg, phi)
+    impl = NSAImplementation("nsa", SimpleNamespace(**stages))
+    spec = preset("tiny", seq_lens=(256,), repeats=1, rounds=1, warmup=0, stages=("window",), passes=("fwd",))
+    rows = Runner(spec, torch.device("cpu"), with_sdpa=False, variants=[impl], log=lambda s: None,
+                  workload="packed").run()
+    layer = next(r for r in rows if r.stage == LAYER)
+    assert layer.status == ERROR and "nsa_forward takes no 'cu_seqlens'" in layer.note
+    assert next(r for r in rows if r.stage == "window").status == OK
+
+
+def test_tiny_packed_sweep_merges_next_to_the_single_sequence(tmp_path, one_thread, capsys):
+    from perf.cases import packed_document_lengths
+
+    out, readme = tmp_path / "perf", tmp_path / "README.md"
+    common = ["run", "--device", "cpu", "--preset", "tiny", "--seq-lens", "1024", "--repeats", "2", "--rounds", "1",
+              "--warmup", "0", "--out", str(out), "--readme", str(readme), "--stages", "selected,window"]
+    assert main(common) == 0, capsys.readouterr().out
+    assert main(common + ["--workload", "packed", "--merge"]) == 0, capsys.readouterr().out
+    rows = read_rows(out / "results.csv")
+    assert {r.workload for r in rows} == {"single", "packed"}
+    assert all(r.status == OK for r in rows), [(r.key, r.note) for r in rows if r.status != OK]
+    lengths = packed_document_lengths(1024, seed=1024)
+    packed = [r for r in rows if r.workload == "packed"]
+    assert len(packed) == len([r for r in rows if r.workload == "single"])
+    assert all(r.documents == len(lengths) for r in packed) and len(set(lengths)) > 1
+
+    # every query reads the n most recent blocks of its own document (n-1 full, the current one partial)
+    cfg = preset("tiny").cfg
+
+    def recent_blocks(p):
+        J = p // cfg.sel_block
+        return list(range(max(0, J - cfg.n_sel + 1), J + 1))
+    expected_tokens = cfg.n_kv_heads * sum(len(selected_tokens(p, recent_blocks(p), cfg))
+                                           for n in lengths for p in range(n))
+    for r in packed:
+        if r.impl == "nsa" and r.stage in ("selected", LAYER):
+            assert r.selected_tokens == expected_tokens
+    sdpa_packed = next(r for r in packed if r.impl == "sdpa" and r.pass_name == "fwd")
+    packed_flops = StageWork(1024, cfg, 1, 4, spec_phi_width(), lengths).sdpa().flops("fwd")
+    assert sdpa_packed.flops == pytest.approx(packed_flops, rel=1e-5)  # the CSV keeps 6 significant digits
+    assert "one causal call per document" in sdpa_packed.note
+
+    text = readme.read_text()
+    assert "### Packed documents (cu_seqlens)" in text
+    assert f"| 1k | {len(lengths)} | fwd | {sdpa_packed.median_ms:.3f} |" in text
+
+
+def spec_phi_width() -> int:
+    return preset("tiny").phi_width
