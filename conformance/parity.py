@@ -169,8 +169,9 @@ class LowPrecisionResult:
 
 def low_precision_example(cfg: NSAConfig, T: int, dtype: torch.dtype, *, seed: int, B: int = 1,
                           shared_kv: bool = False, device: str | torch.device = "cpu",
-                          backend: str = "torch") -> LowPrecisionResult:
-    """The optimized path (inputs on `device`, selected-branch `backend`) vs the loop reference on CPU.
+                          backend: str = "torch", range_backend: str = "torch") -> LowPrecisionResult:
+    """The optimized path (inputs on `device`, selected-branch `backend`, compressed/window/scoring
+    `range_backend`) vs the loop reference on CPU.
 
     All runs share the inputs: low-precision tensors, which the float64 oracle gets as exact float64 values.
     Outputs and gradients are teacher-forced on the oracle's selection; the free selection of the optimized path
@@ -192,7 +193,7 @@ def low_precision_example(cfg: NSAConfig, T: int, dtype: torch.dtype, *, seed: i
 
     opt_in = base.to(dtype=dtype, device=device, requires_grad=True)
     opt = optimized.nsa_forward(opt_in.q, opt_in.kv, opt_in.gates, cfg, opt_in.phi, backend=backend,
-                                indices=oracle.indices.to(device))
+                                indices=oracle.indices.to(device), range_backend=range_backend)
     opt_grads = grads_of(opt.o, opt_in, weight.to(device))
 
     ratios = {name: error_ratio(getattr(opt, name), low[name], getattr(oracle, name))
@@ -202,8 +203,8 @@ def low_precision_example(cfg: NSAConfig, T: int, dtype: torch.dtype, *, seed: i
     with torch.no_grad():
         scores_low_ref = reference.selection_scores(low_in.q, low["k_cmp"], cfg)
         k_cmp = optimized.compress(opt_in.kv.cmp.k, opt_in.kv.cmp.v, cfg, opt_in.phi)[0]
-        scores = optimized.selection_scores(opt_in.q, k_cmp, cfg).cpu()
-        indices = optimized.selection_indices(opt_in.q, k_cmp, cfg).cpu()
+        scores = optimized.selection_scores(opt_in.q, k_cmp, cfg, range_backend=range_backend).cpu()
+        indices = optimized.selection_indices(opt_in.q, k_cmp, cfg, range_backend=range_backend).cpu()
     finite = torch.isfinite(scores64)
     return LowPrecisionResult(
         ratios=ratios,

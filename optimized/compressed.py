@@ -1,4 +1,8 @@
-"""Compressed-branch attention (Eq. 4 over the Eq. 7 compressed keys) with the block-visibility mask."""
+"""Compressed-branch attention (Eq. 4 over the Eq. 7 compressed keys) with the block-visibility mask.
+
+range_backend "torch": masked attention chunked over queries (optimized.masked_attention); "triton": the
+range-attention kernel over each query's visible compressed tokens (optimized/ranges.py), in the inputs' own
+precision with fp32 accumulation."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from . import masks
 from .checks import check_branch_inputs
 from .documents import Documents, check_packed_compressed, stage_documents, visible_compressed
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
+from .ranges import compressed_ranges, range_reads
+from .scoring import check_range_backend
 
 
 class CompressedKeyPlan:
@@ -75,17 +81,35 @@ def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAC
     return masked_attention(plan, q, k_cmp, v_cmp, compute=compute)
 
 
+def compressed_attention_kernel_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, positions: Tensor,
+                                     docs: Documents | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Compressed branch on the range-attention kernel for queries q [B, TQ, Hq, dk] at positions [TQ]:
+    (o_cmp [B, TQ, Hq, dv] in q's dtype, lse [B, TQ, Hq] fp32 (the Eq. 8 normaliser; -inf without a visible
+    block), reads [B, TQ, Hkv] = the visible compressed tokens each query's range covers). k_cmp/v_cmp are cast
+    to q's dtype (differentiably), as compress() returns them."""
+    from .kernels import triton_range_attention
+
+    lo, hi = compressed_ranges(positions, k_cmp.shape[1], cfg, docs)
+    o, lse = triton_range_attention(q, k_cmp.to(q.dtype), v_cmp.to(q.dtype), lo, hi)
+    return o, lse, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
+
+
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,
-                         chunk_size: int | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+                         chunk_size: int | None = None, cu_seqlens: Tensor | None = None,
+                         range_backend: str = "torch") -> Tensor:
     """Compressed branch for prefill queries at positions 0..T-1: o_cmp [B, T, Hq, d_v].
     A query with no visible compressed block gets exactly 0.
     cu_seqlens (packed batch, B = 1): k_cmp/v_cmp hold the packed compressed tokens of compress(..., cu_seqlens);
-    a query reads only its own document's blocks, visible at its document-relative position."""
+    a query reads only its own document's blocks, visible at its document-relative position.
+    range_backend: "torch" or "triton" (module docstring)."""
     check_branch_inputs("compressed_attention", q, k_cmp, v_cmp, cfg)
+    check_range_backend(range_backend, q.dtype)
     positions = torch.arange(q.shape[1], device=q.device)
     docs = stage_documents(cu_seqlens, cfg, q)
     if docs is not None:
         check_packed_compressed("k_cmp", k_cmp, docs)
+    if range_backend == "triton":
+        return compressed_attention_kernel_rows(q, k_cmp, v_cmp, cfg, positions, docs)[0]
     return compressed_attention_rows(q, k_cmp, v_cmp, cfg, positions, chunk_size=chunk_size,
                                      docs=docs)[0].to(q.dtype)
 

@@ -1,5 +1,10 @@
 """nsa_forward (prefill) and decode_step: the three vectorized branches combined by the gates (Eq. 5), with the
-Eq. 6 reads counted from the masks and index sets each branch applied."""
+Eq. 6 reads counted from the masks and index sets each branch applied.
+
+range_backend="triton" (issue 8) runs the compressed and window branches on the range-attention kernel and
+Eq. 8 + 10 on the group-scores kernel (reusing the compressed branch's log-sum-exp), in the inputs' own precision
+with fp32 accumulation; the selected branch follows `backend` as before. The torch default keeps the
+next-wider-dtype arithmetic of optimized.masked_attention."""
 
 from __future__ import annotations
 
@@ -9,13 +14,13 @@ from torch import Tensor
 from reference.config import NSAConfig
 from reference.contract import KV, BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
 
-from .compressed import compressed_attention_rows
+from .compressed import compressed_attention_kernel_rows, compressed_attention_rows
 from .compression import compress_unrounded
-from .documents import documents
+from .documents import Documents, documents
 from .masked_attention import compute_dtype
-from .scoring import selection_indices
+from .scoring import check_range_backend, selection_indices
 from .selected import check_indices, selected_attention_rows
-from .window import window_attention_rows
+from .window import window_attention_kernel_rows, window_attention_rows
 
 
 def gated_sum(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor) -> Tensor:
@@ -38,14 +43,22 @@ def widen(q: Tensor, kv: BranchKV, gates: Tensor, dtype: torch.dtype) -> tuple[T
 
 def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None,
                      positions: Tensor, *, backend: str = "auto", chunk_size: int | None = None,
-                     indices: Tensor | None = None, cu_seqlens: Tensor | None = None) -> NSAOutput:
+                     indices: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                     range_backend: str = "torch") -> NSAOutput:
     """NSA for queries q [B, TQ, Hq, dk] (gates [B, TQ, Hq, 3]) at absolute, increasing positions [TQ] over the
     TK keys of every branch in kv. indices: given selection indices [B, TQ, Hkv, n] replace Eq. 8-11
     (teacher forcing); by default they are computed by scoring.selection_indices.
     cu_seqlens: the TK keys are a packed batch (B = 1) of documents (reference.packing); positions are packed
-    positions and everything (compressed blocks, selection blocks and indices, windows) is document-relative."""
+    positions and everything (compressed blocks, selection blocks and indices, windows) is document-relative.
+    range_backend: "torch" or "triton" (module docstring)."""
+    check_range_backend(range_backend, q.dtype)
     n_keys = kv.win.k.shape[1]
     docs = None if cu_seqlens is None else documents(cu_seqlens, n_keys, q.shape[0], cfg, q.device)
+    if indices is not None:
+        check_indices(indices, q, cfg)
+    if range_backend == "triton":
+        return _nsa_forward_rows_on_kernels(q, kv, gates, cfg, phi, positions, backend=backend,
+                                            chunk_size=chunk_size, indices=indices, docs=docs)
     # Precision: every input is widened once to the compute dtype and every branch and Eq. 5 run in it, so a
     # gradient summed over uses (q in three branches, a k/v shared by branches) is rounded once, at the input.
     cd = compute_dtype(q.dtype)
@@ -58,8 +71,6 @@ def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi
         # select_blocks(selection_scores(q, compress(k, v)[0])) selects
         indices = selection_indices(q, k_cmp.to(q.dtype), cfg, positions=positions, n_keys=n_keys,
                                     chunk_size=chunk_size, docs=docs)
-    else:
-        check_indices(indices, q, cfg)
     o_slc, reads_slc = selected_attention_rows(q_wide, kv_wide.slc.k, kv_wide.slc.v, indices, cfg, positions,
                                                backend=backend, chunk_size=chunk_size, compute=cd,
                                                kernel_dtype=q.dtype, docs=docs)
@@ -76,21 +87,43 @@ def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi
     )
 
 
+def _nsa_forward_rows_on_kernels(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None,
+                                 positions: Tensor, *, backend: str, chunk_size: int | None, indices: Tensor | None,
+                                 docs: Documents | None) -> NSAOutput:
+    """nsa_forward_rows with range_backend="triton": every branch reads the inputs in their own dtype (fp32
+    accumulation inside the kernels); Eq. 7 runs in the compute dtype and is rounded to q's dtype, as compress()
+    returns it; Eq. 5 is summed in the compute dtype and rounded once."""
+    cd = compute_dtype(q.dtype)
+    k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v, cfg, phi, docs=docs)
+    k_cmp, v_cmp = k_cmp.to(q.dtype), v_cmp.to(q.dtype)
+    o_cmp, lse_cmp, reads_cmp = compressed_attention_kernel_rows(q, k_cmp, v_cmp, cfg, positions, docs)
+    if indices is None:
+        indices = selection_indices(q, k_cmp, cfg, positions=positions, n_keys=kv.win.k.shape[1],
+                                    chunk_size=chunk_size, docs=docs, range_backend="triton", lse=lse_cmp)
+    o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions, backend=backend,
+                                               chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype, docs=docs)
+    o_win, reads_win = window_attention_kernel_rows(q, kv.win.k, kv.win.v, cfg, positions, docs)
+    o = gated_sum(gates.to(cd), o_cmp.to(cd), o_slc.to(cd), o_win.to(cd))
+    return NSAOutput(o=o.to(q.dtype), indices=indices, o_cmp=o_cmp, o_slc=o_slc.to(q.dtype), o_win=o_win,
+                     reads=Reads(cmp=reads_cmp, slc=reads_slc, win=reads_win))
+
+
 def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
                 backend: str = "auto", chunk_size: int | None = None, indices: Tensor | None = None,
-                cu_seqlens: Tensor | None = None) -> NSAOutput:
+                cu_seqlens: Tensor | None = None, range_backend: str = "torch") -> NSAOutput:
     """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch.
 
     backend: selected-branch backend ("auto" | "torch" | "triton", see optimized.selected); chunk_size: query
     positions per chunk in every branch (default: sized from a memory budget); indices: teacher-forced
     selection (default: computed); cu_seqlens: a packed batch (B = 1) of documents, each computed exactly as if
-    alone (document-relative indices, reads counted per document)."""
+    alone (document-relative indices, reads counted per document); range_backend: "torch" (default) or "triton"
+    (the compressed and window branches and Eq. 8 + 10 on the range kernels; module docstring)."""
     check_inputs(q, kv, gates, cfg)
     if q.shape[1] == 0:
         raise ValueError("q must hold at least one position (T >= 1)")
     positions = torch.arange(q.shape[1], device=q.device)
     return nsa_forward_rows(q, kv, gates, cfg, phi, positions, backend=backend, chunk_size=chunk_size,
-                            indices=indices, cu_seqlens=cu_seqlens)
+                            indices=indices, cu_seqlens=cu_seqlens, range_backend=range_backend)
 
 
 def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,

@@ -6,6 +6,10 @@ masked_attention.compute_dtype (float32 for half/bfloat16 inputs, float64 for fl
 Chunk invariance: a query row's logits always span all N compressed blocks (invisible ones are masked), its
 softmax sum, Eq. 9 band and Eq. 10 head sum are added in a fixed order, and Eq. 11 is a per-row stable sort, so the
 indices of a row do not depend on which other rows (chunk, batch) are computed with it.
+
+range_backend="triton" (issue 8): Eq. 8 and Eq. 10 run fused in the group-scores kernel
+(optimized/kernels/group_scores.py) on the inputs' own precision (fp32/bf16/fp16, fp32 accumulation), with the
+compressed branch's log-sum-exp as the softmax normaliser; Eq. 9 and Eq. 11 are the same code as below.
 """
 
 from __future__ import annotations
@@ -21,6 +25,18 @@ from reference.config import NSAConfig
 from . import masks
 from .documents import Documents, check_packed_compressed, documents, stage_documents
 from .masked_attention import CHUNK_ELEMENTS, compute_dtype, query_chunks
+from .ranges import compressed_ranges
+
+RANGE_BACKENDS = ("torch", "triton")
+
+
+def check_range_backend(range_backend: str, dtype: torch.dtype) -> None:
+    """range_backend must be "torch" or "triton"; the Triton kernels take fp32/bf16/fp16 (not float64)."""
+    if range_backend not in RANGE_BACKENDS:
+        raise ValueError(f"range_backend must be one of {RANGE_BACKENDS}, got {range_backend!r}")
+    if range_backend == "triton" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"range_backend='triton' runs the Triton range kernels, which take fp32/bf16/fp16 inputs, "
+                         f"got {dtype}")
 
 
 def sel_block_count(n_keys: int, cfg: NSAConfig) -> int:
@@ -99,20 +115,60 @@ def _packed_chunk_scores(q_chunk: Tensor, k_cmp: Tensor, positions: Tensor, n_se
     return scores.masked_fill(after_current[None, :, None, :], float("-inf"))
 
 
-def _score_chunk_size(q: Tensor, n_cmp: int, n_sel_blocks: int, chunk_size: int | None) -> int:
+def _kernel_scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
+                   docs: Documents | None, lse: Tensor | None):
+    """scores(q0, q1) for range_backend="triton": Eq. 8 + 10 in the group-scores kernel over each row's visible
+    compressed tokens (ranges.compressed_ranges, from the seam masks.compressed_block_visible; document-local
+    columns, as _packed_chunk_scores), then Eq. 9 (pool_eq9, linear, so pooling the head sum equals summing the
+    pooled heads) and -inf past J, as _chunk_scores. q and k_cmp in the kernel dtype. lse [B, TQ, Hq]: the
+    compressed branch's log-sum-exp of these rows (computed here, for every row at once, when None)."""
+    from .kernels import range_logsumexp
+    from .kernels.group_scores import group_scores
+    from .kernels.range_attention import check_range_inputs
+
+    lo, hi = compressed_ranges(positions, k_cmp.shape[1], cfg, docs)
+    lo32, hi32 = check_range_inputs(q, k_cmp, None, lo, hi)
+    logits = cfg.selection_score == "logits"
+    if lse is None and not logits:
+        lse = range_logsumexp(q, k_cmp, lo32, hi32)
+    relative = positions if docs is None else docs.relative(positions)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    group = cfg.n_heads // cfg.n_kv_heads
+
+    def scores(q0: int, q1: int) -> Tensor:
+        width = max(0, int((hi[q0:q1] - lo[q0:q1] + 1).max())) if q1 > q0 else 0
+        p_group = group_scores(q[:, q0:q1], k_cmp, lo32[q0:q1], hi32[q0:q1], None if logits else lse[:, q0:q1],
+                               width, scale, logits=logits)  # Eq. 8 + Eq. 10 (sum)
+        if cfg.group_reduce == "mean":
+            p_group = p_group / group
+        p_slc = pool_eq9(p_group, n_sel_blocks, cfg)  # Eq. 9
+        sel = torch.arange(n_sel_blocks, device=q.device)
+        after_current = sel[None, :] > masks.current_sel_block(relative[q0:q1], cfg)[:, None]
+        return p_slc.masked_fill(after_current[None, :, None, :], float("-inf"))
+
+    return scores
+
+
+def _score_chunk_size(q: Tensor, n_columns: int, n_sel_blocks: int, chunk_size: int | None) -> int:
+    """Query rows per scoring chunk: chunk_size, or as many as keep the per-head temporaries of the torch path
+    (the kernel path holds less: one column set per KV group) within CHUNK_ELEMENTS."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of query positions, got {chunk_size}")
         return chunk_size
     B, _, Hq, _ = q.shape
-    return max(1, CHUNK_ELEMENTS // max(1, B * Hq * (n_cmp + n_sel_blocks)))
+    return max(1, CHUNK_ELEMENTS // max(1, B * Hq * (n_columns + n_sel_blocks)))
 
 
-def _chunk_scorer(k_cmp: Tensor, cfg: NSAConfig, n_sel_blocks: int, docs: Documents | None):
-    """scores(q_chunk, positions) -> [B, C, Hkv, n_sel_blocks] for independent rows or a packed batch."""
+def _scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
+            docs: Documents | None, range_backend: str, lse: Tensor | None = None):
+    """scores(q0, q1) -> [B, q1 - q0, Hkv, n_sel_blocks] for the rows q0..q1-1 of q at these positions."""
+    if range_backend == "triton":
+        return _kernel_scorer(q, k_cmp.to(q.dtype), cfg, positions, n_sel_blocks, docs, lse)
+    q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
     if docs is None:
-        return lambda q_chunk, pos: _chunk_scores(q_chunk, k_cmp, pos, n_sel_blocks, cfg)
-    return lambda q_chunk, pos: _packed_chunk_scores(q_chunk, k_cmp, pos, n_sel_blocks, cfg, docs)
+        return lambda q0, q1: _chunk_scores(q[:, q0:q1], k_cmp, positions[q0:q1], n_sel_blocks, cfg)
+    return lambda q0, q1: _packed_chunk_scores(q[:, q0:q1], k_cmp, positions[q0:q1], n_sel_blocks, cfg, docs)
 
 
 def _score_columns(n_cmp: int, docs: Documents | None) -> int:
@@ -123,34 +179,40 @@ def _score_columns(n_cmp: int, docs: Documents | None) -> int:
 
 @torch.no_grad()
 def selection_scores_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int, *,
-                          chunk_size: int | None = None, docs: Documents | None = None) -> Tensor:
+                          chunk_size: int | None = None, docs: Documents | None = None,
+                          range_backend: str = "torch") -> Tensor:
     """Eq. 8-10 for queries at absolute positions: [B, TQ, Hkv, n_sel_blocks] (materialized: the contract's
-    selection_scores output; nsa_forward uses selection_indices instead). docs: the layout of a packed batch
-    (document-relative blocks), None for independent rows."""
-    q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
+    selection_scores output; nsa_forward uses selection_indices instead), in compute_dtype(q.dtype) (torch) or
+    float32 (triton). docs: the layout of a packed batch (document-relative blocks), None for independent rows."""
+    check_range_backend(range_backend, q.dtype)
+    q = q.detach()
     B, TQ = q.shape[:2]
-    out = torch.empty((B, TQ, cfg.n_kv_heads, n_sel_blocks), dtype=k_cmp.dtype, device=q.device)
-    scores = _chunk_scorer(k_cmp, cfg, n_sel_blocks, docs)
+    dtype = torch.float32 if range_backend == "triton" else compute_dtype(q.dtype)
+    out = torch.empty((B, TQ, cfg.n_kv_heads, n_sel_blocks), dtype=dtype, device=q.device)
+    scores = _scorer(q, k_cmp, cfg, positions, n_sel_blocks, docs, range_backend)
     n_columns = _score_columns(k_cmp.shape[1], docs)
     for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):
-        out[:, q0:q1] = scores(q[:, q0:q1], positions[q0:q1])
+        out[:, q0:q1] = scores(q0, q1)
     return out
 
 
 def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None,
-                     cu_seqlens: Tensor | None = None) -> Tensor:
-    """Eq. 8-10 for prefill queries 0..T-1: [B, T, Hkv, ceil(T / l')] in compute_dtype(q.dtype),
-    -inf for blocks after J = p // l'.
+                     cu_seqlens: Tensor | None = None, range_backend: str = "torch") -> Tensor:
+    """Eq. 8-10 for prefill queries 0..T-1: [B, T, Hkv, ceil(T / l')] in compute_dtype(q.dtype) (float32 with
+    range_backend="triton"), -inf for blocks after J = p // l'.
     cu_seqlens (packed batch, B = 1; k_cmp from compress(..., cu_seqlens)): [1, T, Hkv, NB], NB = max_i
-    ceil(L_i / l'); column j is the query's own document's block j, -inf after J = (p - start) // l'."""
+    ceil(L_i / l'); column j is the query's own document's block j, -inf after J = (p - start) // l'.
+    range_backend: "torch" (vectorized) or "triton" (the group-scores kernel, see the module docstring)."""
     _check_scoring_inputs(q, k_cmp, cfg)
     T = q.shape[1]
     positions = torch.arange(T, device=q.device)
     if cu_seqlens is None:
-        return selection_scores_rows(q, k_cmp, cfg, positions, sel_block_count(T, cfg), chunk_size=chunk_size)
+        return selection_scores_rows(q, k_cmp, cfg, positions, sel_block_count(T, cfg), chunk_size=chunk_size,
+                                     range_backend=range_backend)
     docs = stage_documents(cu_seqlens, cfg, q)
     check_packed_compressed("k_cmp", k_cmp, docs)
-    return selection_scores_rows(q, k_cmp, cfg, positions, docs.n_sel_blocks, chunk_size=chunk_size, docs=docs)
+    return selection_scores_rows(q, k_cmp, cfg, positions, docs.n_sel_blocks, chunk_size=chunk_size, docs=docs,
+                                 range_backend=range_backend)
 
 
 @torch.no_grad()
@@ -184,14 +246,18 @@ def select_blocks(scores: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None =
 @torch.no_grad()
 def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Tensor | None = None,
                       n_keys: int | None = None, chunk_size: int | None = None,
-                      cu_seqlens: Tensor | None = None, docs: Documents | None = None) -> Tensor:
+                      cu_seqlens: Tensor | None = None, docs: Documents | None = None,
+                      range_backend: str = "torch", lse: Tensor | None = None) -> Tensor:
     """Eq. 8-11 fused and chunked over queries: indices [B, TQ, Hkv, n] for queries q [B, TQ, Hq, dk] at
     positions (default 0..TQ-1) over n_keys keys (default max position + 1). Peak memory is
     O(chunk * N) per head; no [TQ, N] or [TQ, ceil(T/l')] tensor is built for all queries at once.
     The result does not depend on chunk_size or on the batch (bitwise).
     cu_seqlens (packed batch over the n_keys keys, B = 1; k_cmp packed) or its prebuilt layout docs:
-    document-relative indices, as each document alone would select."""
+    document-relative indices, as each document alone would select.
+    range_backend: "torch" or "triton" (Eq. 8 + 10 in the group-scores kernel; module docstring); lse: the
+    compressed branch's log-sum-exp [B, TQ, Hq] of these queries when the caller has it (nsa_forward)."""
     _check_scoring_inputs(q, k_cmp, cfg)
+    check_range_backend(range_backend, q.dtype)
     B, TQ = q.shape[:2]
     if positions is None:
         positions = torch.arange(TQ, device=q.device)
@@ -202,12 +268,12 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     if docs is not None:
         check_packed_compressed("k_cmp", k_cmp, docs)
     n_sel_blocks = sel_block_count(n_keys, cfg) if docs is None else docs.n_sel_blocks
-    q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
+    q = q.detach()
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
-    scores = _chunk_scorer(k_cmp, cfg, n_sel_blocks, docs)
+    scores = _scorer(q, k_cmp.detach(), cfg, positions, n_sel_blocks, docs, range_backend, lse)
     n_columns = _score_columns(k_cmp.shape[1], docs)
     for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):
-        out[:, q0:q1] = select_blocks_rows(scores(q[:, q0:q1], positions[q0:q1]), cfg, positions[q0:q1], docs)
+        out[:, q0:q1] = select_blocks_rows(scores(q0, q1), cfg, positions[q0:q1], docs)
     return out
 
 

@@ -1,5 +1,9 @@
 """Sliding-window attention (Section 3.3.3), banded: a chunk of C queries reads the C + w - 1 keys its windows span,
-so memory is O(C * (C + w)) per head, never T x T."""
+so memory is O(C * (C + w)) per head, never T x T.
+
+range_backend "torch": masked attention chunked over queries (optimized.masked_attention); "triton": the
+range-attention kernel over each query's window (optimized/ranges.py), in the inputs' own precision with fp32
+accumulation."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from . import masks
 from .checks import check_branch_inputs
 from .documents import Documents, stage_documents
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
+from .ranges import range_reads, window_ranges
+from .scoring import check_range_backend
 
 
 class WindowKeyPlan:
@@ -76,11 +82,26 @@ def window_attention_rows(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, posit
     return masked_attention(plan, q, k, v, compute=compute)
 
 
+def window_attention_kernel_rows(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Tensor,
+                                 docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+    """Window branch on the range-attention kernel for queries q [B, TQ, Hq, dk] at positions [TQ]:
+    (o_win [B, TQ, Hq, dv] in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers)."""
+    from .kernels import triton_range_attention
+
+    lo, hi = window_ranges(positions, cfg, docs)
+    o, _ = triton_range_attention(q, k, v, lo, hi)
+    return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
+
+
 def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None,
-                     cu_seqlens: Tensor | None = None) -> Tensor:
+                     cu_seqlens: Tensor | None = None, range_backend: str = "torch") -> Tensor:
     """Sliding-window branch for prefill queries 0..T-1: o_win [B, T, Hq, d_v].
-    cu_seqlens (packed batch, B = 1): keys max(s, p-w+1) .. p for a query at p of the document starting at s."""
+    cu_seqlens (packed batch, B = 1): keys max(s, p-w+1) .. p for a query at p of the document starting at s.
+    range_backend: "torch" or "triton" (module docstring)."""
     check_branch_inputs("window_attention", q, k, v, cfg)
+    check_range_backend(range_backend, q.dtype)
     positions = torch.arange(q.shape[1], device=q.device)
     docs = stage_documents(cu_seqlens, cfg, q, k=k)
+    if range_backend == "triton":
+        return window_attention_kernel_rows(q, k, v, cfg, positions, docs)[0]
     return window_attention_rows(q, k, v, cfg, positions, chunk_size=chunk_size, docs=docs)[0].to(q.dtype)

@@ -164,3 +164,59 @@ def launch_with_fallback(launch: Callable[[L], T], tiling: L, candidates: list[L
         except OutOfResources:
             continue
     return launch(candidates[-1])
+
+
+# Range attention (optimized/kernels/range_attention_*.py): FlashAttention-2 style tiles ------------------------
+
+@dataclass(frozen=True)
+class RangeTiling:
+    """Range-attention launch: query rows per tile (block_m), key rows per tile (block_n), warps, stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        Tiling(self.block_n, self.num_warps, self.num_stages)  # same rules for the shared fields
+        if self.block_m < MIN_DOT or self.block_m & (self.block_m - 1):
+            raise ValueError(f"RangeTiling.block_m must be a power of two >= {MIN_DOT}, got {self.block_m}")
+
+
+RANGE_KINDS = ("forward", "dq", "dkdv", "scores")
+
+
+def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:
+    """Heuristic launch of one range-attention kernel. Half precision: 128 x 64 tiles up to d = 128 (the
+    FlashAttention-2 shapes), 64 x 32 for wider heads; fp32 (exact fp32 dots on CUDA cores): 64 x 32, one stage;
+    in Triton's interpreter: 16 x 16 (tests keep T small, and several tiles must still be exercised)."""
+    if kind not in RANGE_KINDS:
+        raise ValueError(f"range_tiling kind must be one of {RANGE_KINDS}, got {kind!r}")
+    if interpreting():
+        return RangeTiling(block_m=MIN_DOT, block_n=MIN_DOT, num_warps=4, num_stages=1)
+    width = max(block_dk, block_dv)
+    if torch.finfo(dtype).bits > 16:
+        return RangeTiling(block_m=64, block_n=32 if width <= 128 else 16, num_warps=4 if width <= 64 else 8,
+                           num_stages=1)
+    wide = width > 128
+    if kind == "forward":
+        return RangeTiling(block_m=64 if wide else 128, block_n=32 if wide else 64, num_warps=8, num_stages=2)
+    if kind == "scores":  # the head loop keeps one q tile and the summed P tile live
+        return RangeTiling(block_m=64, block_n=32 if wide else 64, num_warps=4 if width <= 64 else 8, num_stages=2)
+    return RangeTiling(block_m=32 if wide else 64, block_n=32 if wide else 64, num_warps=8, num_stages=2)
+
+
+def smaller_range_tilings(tiling: RangeTiling) -> list[RangeTiling]:
+    """The given tiling, then fewer stages, then fewer query rows, then fewer key rows (down to 16 each)."""
+    out = [tiling]
+    for stages in range(tiling.num_stages - 1, 0, -1):
+        out.append(RangeTiling(tiling.block_m, tiling.block_n, tiling.num_warps, stages))
+    block_m = tiling.block_m // 2
+    while block_m >= MIN_DOT:
+        out.append(RangeTiling(block_m, tiling.block_n, tiling.num_warps, 1))
+        block_m //= 2
+    block_n = tiling.block_n // 2
+    while block_n >= MIN_DOT:
+        out.append(RangeTiling(MIN_DOT, block_n, tiling.num_warps, 1))
+        block_n //= 2
+    return out

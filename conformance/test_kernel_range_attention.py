@@ -1,0 +1,290 @@
+"""Triton range-attention and group-scores kernels (optimized/kernels, issue 8) vs their dense oracle, the float64
+loop reference, and the torch path of the optimized implementation.
+
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, root conftest), on tiny
+fp32 shapes; with CUDA the same tests run compiled (test_kernel_range_attention_gpu.py adds half precision and
+large shapes). Tolerance: FlashAttention's rule via helpers.error_ratio. Outputs are poisoned with NaN before
+each run, so a missed write shows up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import optimized as O
+from conformance.helpers import error_ratio, make_inputs, rel_error
+from conformance.parity import low_precision_example
+from optimized import masks
+from optimized.documents import documents, visible_compressed
+from optimized.kernels import range_attention_naive, range_logsumexp, triton_range_attention
+from optimized.kernels.range_attention_bwd import range_attention_backward, reading_rows
+from optimized.kernels.range_attention_fwd import range_attention_forward
+from optimized.ranges import compressed_ranges, range_reads, window_ranges
+from reference.config import NSAConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+CFG = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_sel=3, n_init=1, n_local=1, window=10, n_heads=6,
+                n_kv_heads=2, head_dim_qk=12, head_dim_v=8, phi="avg")
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.empty returns NaN-filled float tensors, so an output element the kernels never write stays NaN."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def ranges_of(kind: str, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(lo, hi, n_keys) of one test layout: the window, the compressed branch, or both over packed documents."""
+    positions = torch.arange(T)
+    if kind == "window":
+        lo, hi = window_ranges(positions, CFG)
+        return lo, hi, T
+    if kind == "window-packed":
+        docs = documents(torch.tensor([0, 3, 3, 21, T]), T, 1, CFG, "cpu")
+        lo, hi = window_ranges(positions, CFG, docs)
+        return lo, hi, T
+    n_cmp = masks.compressed_block_count(T, CFG)
+    if kind == "compressed":
+        lo, hi = compressed_ranges(positions, n_cmp, CFG)
+        return lo, hi, n_cmp
+    docs = documents(torch.tensor([0, 7, 7, 30, T]), T, 1, CFG, "cpu")
+    lo, hi = compressed_ranges(positions, docs.n_compressed, CFG, docs)
+    return lo, hi, docs.n_compressed
+
+
+def random_inputs(B: int, TQ: int, TK: int, Hq: int, Hkv: int, dk: int, dv: int, seed: int,
+                  dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+    return rnd(B, TQ, Hq, dk), rnd(B, TK, Hkv, dk), rnd(B, TK, Hkv, dv)
+
+
+LAYOUTS = ["window", "window-packed", "compressed", "compressed-packed"]
+
+
+# Ranges from the convention seams ------------------------------------------------------------------------------
+@pytest.mark.parametrize("switch", [{}, {"window_keys": "w+1"}, {"cmp_visibility": "strict"},
+                                    {"cmp_block": 6, "cmp_stride": 3, "sel_block": 6}])
+def test_ranges_are_exactly_the_torch_path_masks(switch) -> None:
+    """window_ranges / compressed_ranges cover exactly the keys masks.window_key_visible and
+    documents.visible_compressed allow (the masks of the torch path), single sequence and packed."""
+    cfg = CFG.replace(**switch)
+    T = 61
+    positions = torch.arange(T)
+    keys = torch.arange(T)
+    lo, hi = window_ranges(positions, cfg)
+    dense = masks.window_key_visible(keys[None, :], positions[:, None], cfg) & (keys[None, :] >= 0)
+    assert torch.equal((keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None]), dense)
+    n_cmp = masks.compressed_block_count(T, cfg)
+    lo, hi = compressed_ranges(positions, n_cmp, cfg)
+    blocks = torch.arange(n_cmp)
+    dense = masks.compressed_block_visible(blocks[None, :], positions[:, None], cfg)
+    assert torch.equal((blocks[None, :] >= lo[:, None]) & (blocks[None, :] <= hi[:, None]), dense)
+
+    docs = documents(torch.tensor([0, 5, 5, 33, 34, T]), T, 1, cfg, "cpu")
+    lo, hi = compressed_ranges(positions, docs.n_compressed, cfg, docs)
+    tokens = torch.arange(docs.n_compressed)
+    dense = visible_compressed(docs, tokens, positions, cfg)
+    assert torch.equal((tokens[None, :] >= lo[:, None]) & (tokens[None, :] <= hi[:, None]), dense)
+    lo, hi = window_ranges(positions, cfg, docs)
+    rel = docs.relative(positions)
+    key_rel = keys[None, :] - docs.token_start[positions][:, None]
+    dense = (key_rel >= 0) & masks.window_key_visible(key_rel, rel[:, None], cfg)
+    assert torch.equal((keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None]), dense)
+    for a in (lo, hi):
+        assert bool((a[1:] >= a[:-1]).all()), "ranges must be non-decreasing (the dk/dv kernel relies on it)"
+
+
+def test_reads_count_the_range() -> None:
+    lo, hi = torch.tensor([0, 0, 2, 5]), torch.tensor([-1, 3, 2, 4])
+    assert range_reads(lo, hi, 2, 3).tolist() == [[[0] * 3, [4] * 3, [1] * 3, [0] * 3]] * 2
+
+
+def test_reading_rows_are_the_rows_that_can_read_each_key_tile() -> None:
+    lo, hi, n_keys = ranges_of("compressed-packed", 50)
+    first, last = reading_rows(lo, hi, n_keys, 4)
+    for tile in range(first.shape[0]):
+        k0, k1 = 4 * tile, min(4 * tile + 4, n_keys) - 1
+        readers = [t for t in range(50) if lo[t] <= k1 and hi[t] >= k0 and hi[t] >= lo[t]]
+        if readers:
+            assert int(first[tile]) <= readers[0] and int(last[tile]) >= readers[-1]
+        rows = range(int(first[tile]), int(last[tile]) + 1)
+        assert all(hi[t] >= k0 and lo[t] <= k1 for t in rows)
+
+
+# The kernels against the dense oracle ------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)], ids=["group3", "group1", "group3-one-kv-head"])
+def test_forward_matches_the_dense_oracle(layout: str, heads, poisoned_empty: None) -> None:
+    T = 45
+    lo, hi, n_keys = ranges_of(layout, T)
+    B = 1 if layout.endswith("packed") else 2
+    q, k, v = random_inputs(B, T, n_keys, heads[0], heads[1], 12, 8, seed=len(layout) + heads[0])
+    o, lse = triton_range_attention(q, k, v, lo.to(DEVICE), hi.to(DEVICE))
+    empty = (hi < lo).to(DEVICE)
+    assert torch.isfinite(o).all(), "o has unwritten (NaN) elements"
+    assert torch.equal(torch.isneginf(lse), empty[None, :, None].expand_as(lse)), "lse is -inf exactly when empty"
+    assert (o[:, empty] == 0).all(), "a row with an empty range outputs 0"
+    o64, lse64 = range_attention_naive(q.double(), k.double(), v.double(), lo, hi)
+    o32, _ = range_attention_naive(q, k, v, lo, hi)
+    assert error_ratio(o, o32, o64) <= 1.0
+    reading = ~empty
+    assert rel_error(lse[:, reading], lse64[:, reading]) < 1e-6
+    assert torch.equal(range_logsumexp(q, k, lo.to(DEVICE), hi.to(DEVICE)), lse), "lse-only pass differs"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backward_matches_the_dense_oracle(layout: str, poisoned_empty: None) -> None:
+    T = 45
+    lo, hi, n_keys = ranges_of(layout, T)
+    q, k, v = random_inputs(1, T, n_keys, 6, 2, 12, 8, seed=3)
+    do = torch.randn((1, T, 6, 8), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def grads(fn, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, lo.to(DEVICE), hi.to(DEVICE))[0]
+        return [out] + list(torch.autograd.grad(out, leaves, do.to(dtype)))
+
+    kernel = grads(triton_range_attention, torch.float32)
+    low = grads(range_attention_naive, torch.float32)
+    exact = grads(range_attention_naive, torch.float64)
+    for label, got, lo_ref, ref in zip(("o", "dq", "dk", "dv"), kernel, low, exact):
+        assert torch.isfinite(got).all(), f"{label} has NaN/inf (unwritten element?)"
+        assert error_ratio(got, lo_ref, ref) <= 1.0, label
+        if label in ("dk", "dv"):
+            unread = ref.abs().amax(dim=(0, 2, 3)) == 0
+            assert (got[:, unread] == 0).all(), f"{label}: nonzero where no row reads the key"
+
+
+def test_backward_is_bitwise_deterministic() -> None:
+    lo, hi, n_keys = ranges_of("window", 40)
+    q, k, v = random_inputs(1, 40, n_keys, 4, 2, 8, 8, seed=6)
+    o, lse2 = range_attention_forward(q, k, v, lo.to(torch.int32).to(DEVICE), hi.to(torch.int32).to(DEVICE), 0.3)
+    do = torch.randn_like(o)
+    runs = [range_attention_backward(q, k, v, lo.to(torch.int32).to(DEVICE), hi.to(torch.int32).to(DEVICE), o, lse2,
+                                     do, 0.3) for _ in range(2)]
+    for label, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), f"{label} differs between two identical runs"
+
+
+def test_decode_rows_and_strided_inputs() -> None:
+    """A few query rows at the end of a longer key axis (decode-like), from non-contiguous views."""
+    T, TQ = 40, 3
+    positions = torch.arange(T - TQ, T)
+    lo, hi = window_ranges(positions, CFG)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, TQ, 4, 16, generator=g).to(DEVICE)[..., ::2]
+    k = torch.randn(1, 2, T, 8, generator=g).to(DEVICE).transpose(1, 2)
+    v = torch.randn(1, T, 8, 2, generator=g).to(DEVICE).transpose(2, 3)
+    o, _ = triton_range_attention(q, k, v, lo.to(DEVICE), hi.to(DEVICE))
+    o64, _ = range_attention_naive(q.double(), k.double(), v.double(), lo, hi)
+    assert rel_error(o, o64) < 1e-5
+
+
+@pytest.mark.parametrize("lo, hi, match", [
+    ([0, 2, 1], [0, 2, 2], "non-decreasing"),
+    ([0, 0, 0], [0, 2, 1], "non-decreasing"),
+    ([-1, 0, 0], [0, 0, 0], "0 <= lo"),
+    ([0, 0, 0], [0, 0, 5], "hi < TK"),
+])
+def test_bad_ranges_raise_value_error(lo, hi, match) -> None:
+    q, k, v = random_inputs(1, 3, 4, 2, 1, 4, 4, seed=0)
+    with pytest.raises(ValueError, match=match):
+        triton_range_attention(q, k, v, torch.tensor(lo).to(DEVICE), torch.tensor(hi).to(DEVICE))
+    with pytest.raises(ValueError, match=r"lo must be an int32/int64 tensor \[TQ\]"):
+        triton_range_attention(q, k, v, torch.zeros(2, dtype=torch.int64).to(DEVICE), torch.zeros(3).to(DEVICE))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        triton_range_attention(q[:, :, :1].expand(1, 3, 3, 4), torch.randn(1, 4, 2, 4).to(DEVICE),
+                               torch.randn(1, 4, 2, 4).to(DEVICE), torch.tensor(lo).to(DEVICE),
+                               torch.tensor(hi).to(DEVICE))
+
+
+# Scoring (Eq. 8 + 10 fused) and the whole layer against the torch path and the loop reference ---------------------
+@pytest.mark.parametrize("switch", [{}, {"selection_score": "logits"}, {"group_reduce": "mean"},
+                                    {"cmp_visibility": "strict"}])
+@pytest.mark.parametrize("packed", [False, True], ids=["single", "packed"])
+def test_group_scores_equal_the_torch_scores(switch, packed: bool) -> None:
+    cfg = CFG.replace(**switch)
+    T = 70
+    x = make_inputs(cfg, T, B=1 if packed else 2, seed=4, dtype=torch.float32, device=DEVICE)
+    cu = torch.tensor([0, 5, 30, 30, T], dtype=torch.int32, device=DEVICE) if packed else None
+    k_cmp, _ = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi, cu_seqlens=cu)
+    torch_scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu)
+    kernel_scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton")
+    exact = O.selection_scores(x.q.double(), k_cmp.double(), cfg, cu_seqlens=cu)
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(kernel_scores), finite) and torch.equal(torch.isneginf(kernel_scores), ~finite)
+    low = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton", chunk_size=9)
+    assert torch.equal(low, kernel_scores), "the kernel scores depend on the chunking"
+    assert rel_error(kernel_scores[finite], exact[finite]) < 1e-5
+    assert rel_error(torch_scores[finite], exact[finite]) < 1e-12  # the torch path scores fp32 inputs in fp64
+    indices = O.selection_indices(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton", chunk_size=11)
+    assert torch.equal(indices, O.select_blocks(kernel_scores, cfg, cu_seqlens=cu))
+
+
+@pytest.mark.parametrize("preset", ["paper", "window_w_plus_1", "strict_cmp_visibility", "logit_scores",
+                                    "mean_group_reduce", "equal_blocks"])
+def test_layer_on_the_range_kernels_vs_loop_reference(preset: str) -> None:
+    """nsa_forward(range_backend="triton") in fp32 meets the error-ratio rule against the float64 loop reference
+    (outputs and every gradient, teacher-forced selection), and its free selection agrees tie-aware."""
+    cfg = NSAConfig.preset(preset, n_heads=4, n_kv_heads=2, head_dim_qk=8, head_dim_v=6, window=12, n_sel=3)
+    cfg = cfg.replace(cmp_block=4, cmp_stride=4, sel_block=4) if preset == "equal_blocks" else \
+        cfg.replace(cmp_block=4, cmp_stride=2, sel_block=8)
+    result = low_precision_example(cfg, 37, torch.float32, seed=5, device=DEVICE, range_backend="triton")
+    name = max(result.ratios, key=result.ratios.get)
+    assert result.ratios[name] <= 1.0, f"{name}: error ratio {result.ratios[name]:.3f} ({result.ratios})"
+    assert result.neg_inf_pattern_equal
+    assert result.score_ratio <= 1.0
+    assert not result.selection, result.selection[:3]
+
+
+def test_layer_on_the_range_kernels_packed_equals_documents_alone() -> None:
+    cfg = CFG.replace(phi="mlp")
+    lengths = [9, 0, 30, 1, 21]
+    T = sum(lengths)
+    x = make_inputs(cfg, T, seed=2, dtype=torch.float32, device=DEVICE, phi_hidden=5)
+    bounds = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    packed = O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi, cu_seqlens=bounds, range_backend="triton")
+    start = 0
+    for n in lengths:
+        if n:
+            part = [t[:, start:start + n] for t in (x.q, x.gates)]
+            kv = type(x.kv)(*(type(b)(b.k[:, start:start + n], b.v[:, start:start + n])
+                              for b in (x.kv.cmp, x.kv.slc, x.kv.win)))
+            alone = O.nsa_forward(part[0], kv, part[1], cfg, x.phi, range_backend="triton")
+            assert torch.equal(alone.indices, packed.indices[:, start:start + n])
+            assert rel_error(packed.o[:, start:start + n], alone.o) < 1e-6
+            for name in ("cmp", "slc", "win"):
+                assert torch.equal(getattr(packed.reads, name)[:, start:start + n], getattr(alone.reads, name))
+        start += n
+
+
+def test_range_backend_argument_is_validated() -> None:
+    x = make_inputs(CFG, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="range_backend must be one of"):
+        O.nsa_forward(x.q, x.kv, x.gates, CFG, range_backend="cuda")
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        O.window_attention(x.q, x.kv.win.k, x.kv.win.v, CFG, range_backend="triton")
+
+
+def test_scale_default_is_one_over_sqrt_dk() -> None:
+    lo, hi, n_keys = ranges_of("window", 20)
+    q, k, v = random_inputs(1, 20, n_keys, 2, 1, 9, 4, seed=1)
+    a, _ = triton_range_attention(q, k, v, lo.to(DEVICE), hi.to(DEVICE))
+    b, _ = triton_range_attention(q, k, v, lo.to(DEVICE), hi.to(DEVICE), scale=1.0 / math.sqrt(9))
+    assert torch.equal(a, b)

@@ -1,0 +1,134 @@
+"""Triton kernel of the selection scores' Eq. 8 and Eq. 10, fused: for each (query row, KV group) the compressed
+branch's probabilities summed over the group's query heads, written per compressed token of the row's range.
+
+    P[b, t, g, c] = sum_{h in group g} p_cmp^(h)_t[lo_t + c],   p_cmp = 2^(s * scale * log2(e) - lse2)  (Eq. 8)
+
+(or the scaled logits s * scale for the "logits" selection score), for c = 0 .. hi_t - lo_t; entries past a
+row's range are left as they are (the caller passes zeros). The per-head probabilities never reach memory: only
+the group sum does, one value per (row, group, compressed token). lse2 is the compressed branch's own base-2
+log-sum-exp (range_attention_fwd), so p_cmp is exactly the softmax that branch used. Eq. 9 (a fixed band over
+the compressed axis) and Eq. 11 (top-n) then run on P (optimized/scoring.py).
+
+Grid (tile of R query rows, KV group, batch). A program holds the q of its R rows for every head of the group
+as one [R * GP, d_k] tile (GP = the group size padded to a power of two, rows ordered (query, head)), so one
+K tile load serves every head (the paper's group-centric loading), and sums the heads of each query with a
+[R, R * GP] 0/1 matrix product in exact fp32 (no TF32). Key tiles are aligned to multiples of BLOCK_N, so a row's
+arithmetic does not depend on the rows it shares a program with (chunk- and batch-invariant scores).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .selected_attention_fwd import LOG2E, dot_settings
+from .tiling import MIN_DOT, RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
+
+
+@triton.jit
+def _group_scores_kernel(
+    Q, K, LO, HI, LSE2, P,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_lb, stride_lt,
+    stride_pb, stride_pt, stride_pg,
+    n_queries, n_keys, width, scale_log2, scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    LOGITS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+
+    # (query, head) rows of the q tile
+    offs_m = tl.arange(0, BLOCK_M)
+    t_m = pid * ROWS + offs_m // GROUP_PAD
+    head_m = offs_m % GROUP_PAD
+    valid_m = (t_m < n_queries) & (head_m < GROUP)
+    h_m = g * GROUP + head_m
+    lo_m = tl.load(LO + t_m, mask=valid_m, other=0).to(tl.int64)
+    hi_m = tl.load(HI + t_m, mask=valid_m, other=-1).to(tl.int64)
+    reads = valid_m & (hi_m >= lo_m)
+    first = tl.min(tl.where(reads, lo_m, n_keys), 0)
+    last = tl.max(tl.where(reads, hi_m, -1), 0)
+    start = (first // BLOCK_N) * BLOCK_N
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    dk_mask = offs_dk < DK
+    q = tl.load(Q + b * stride_qb + t_m[:, None] * stride_qt + h_m[:, None] * stride_qh + offs_dk[None, :],
+                mask=valid_m[:, None] & dk_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    lse2 = tl.load(LSE2 + b * stride_lb + t_m * stride_lt + h_m, mask=valid_m, other=0.0)
+
+    # query rows of the output tile, and the 0/1 matrix that sums each query's heads
+    offs_r = tl.arange(0, ROWS_PAD)
+    t_r = pid * ROWS + offs_r
+    valid_r = (offs_r < ROWS) & (t_r < n_queries)
+    lo_r = tl.load(LO + t_r, mask=valid_r, other=0).to(tl.int64)
+    hi_r = tl.load(HI + t_r, mask=valid_r, other=-1).to(tl.int64)
+    head_sum = tl.where(offs_m[None, :] // GROUP_PAD == offs_r[:, None], 1.0, 0.0)  # [ROWS_PAD, BLOCK_M]
+
+    offs_n = tl.arange(0, BLOCK_N)
+    k_base = K + b * stride_kb + g * stride_kh
+    p_base = P + b * stride_pb + g * stride_pg
+    for start_n in range(start, last + 1, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < n_keys
+        kT = tl.load(k_base + keys[None, :] * stride_kt + offs_dk[:, None],
+                     mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
+        else:
+            s = tl.dot(q, kT)
+        in_range = valid_m[:, None] & (keys[None, :] >= lo_m[:, None]) & (keys[None, :] <= hi_m[:, None])
+        if LOGITS:
+            term = s * scale
+        else:
+            term = tl.exp2(s * scale_log2 - lse2[:, None])  # Eq. 8: the compressed branch's own softmax
+        term = tl.where(in_range, term, 0.0)
+        total = tl.dot(head_sum, term, input_precision="ieee")  # Eq. 10: sum over the group's heads, exact fp32
+        cols = keys[None, :] - lo_r[:, None]
+        out_mask = valid_r[:, None] & (keys[None, :] >= lo_r[:, None]) & (keys[None, :] <= hi_r[:, None]) \
+            & (cols < width)
+        tl.store(p_base + t_r[:, None] * stride_pt + cols, total, mask=out_mask)
+
+
+def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse: Tensor | None, width: int, scale: float,
+                 *, logits: bool = False, tiling: RangeTiling | None = None) -> Tensor:
+    """P [B, TQ, Hkv, width] fp32 (zeros past each row's range) for queries q [B, TQ, Hq, dk] over the compressed
+    tokens k_cmp [B, N, Hkv, dk], row t reading [lo[t], hi[t]] (int32 [TQ], non-decreasing, as
+    range_attention.check_range_inputs validates; hi - lo < width). lse [B, TQ, Hq] natural-log log-sum-exp of
+    the compressed branch (range_logsumexp / triton_range_attention), unused with logits=True."""
+    B, TQ, Hq, dk = q.shape
+    N, Hkv = k_cmp.shape[1], k_cmp.shape[2]
+    group = Hq // Hkv
+    out = torch.zeros((B, TQ, Hkv, width), device=q.device, dtype=torch.float32)
+    if B * TQ * Hkv == 0 or width == 0 or N == 0:
+        return out
+    q, k_cmp = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cmp))
+    lse2 = torch.zeros((B, TQ, Hq), device=q.device, dtype=torch.float32) if logits else \
+        (lse.float() * LOG2E).contiguous()
+    dot_fp32, precision = dot_settings(q.dtype)
+    group_pad = triton.next_power_of_2(group)
+
+    def launch(t: RangeTiling) -> None:
+        rows = max(1, t.block_m // group_pad)
+        _group_scores_kernel[(triton.cdiv(TQ, rows), Hkv, B)](
+            q, k_cmp, lo, hi, lse2, out,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+            lse2.stride(0), lse2.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            TQ, N, width, scale * LOG2E, scale,
+            GROUP=group, GROUP_PAD=group_pad, ROWS=rows, ROWS_PAD=max(MIN_DOT, triton.next_power_of_2(rows)),
+            BLOCK_M=rows * group_pad, DK=dk, BLOCK_N=t.block_n, BLOCK_DK=padded(dk), LOGITS=logits, DOT_FP32=dot_fp32,
+            INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    first = tiling or range_tiling(padded(dk), padded(dk), q.dtype, "scores")
+    launch_with_fallback(launch, first, smaller_range_tilings(first))
+    return out

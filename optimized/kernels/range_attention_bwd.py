@@ -1,0 +1,217 @@
+"""Backward Triton kernels of range attention (range_attention_fwd.py), FlashAttention-2 style, deterministic.
+
+With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D), the probabilities are rebuilt as
+P = 2^(s * scale * log2(e) - lse2) inside each row's range (exactly 0 outside it, so an empty row sends nothing
+back), dP = dO V^T, dS = P * (dP - delta), and
+- dq: one program per (query tile, head) walks the key tiles of its rows' ranges (as the forward): dq = dS K;
+- dk/dv: one program per (key tile, KV head) walks every head of its group and the query tiles whose ranges can
+  reach the tile: dv = P^T dO, dk = dS^T q. Ranges are non-decreasing in the row (checked by the wrapper), so
+  the rows reading a key tile [k0, k1] are the contiguous run first(hi >= k0) .. last(lo <= k1), found once per
+  tile by searchsorted. Each key's gradient is summed by one program in a fixed order: no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .selected_attention_fwd import LOG2E, dot_settings
+from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
+
+
+@triton.jit
+def _range_attention_dq_kernel(
+    Q, K, V, LO, HI, DO, LSE2, DELTA, DQ,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_lb, stride_lt,
+    stride_dqb, stride_dqt, stride_dqh,
+    n_queries, n_keys, scale_log2, scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    kvh = h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_mask = offs_m < n_queries
+    dk_mask = offs_dk < DK
+    dv_mask = offs_dv < DV
+
+    lo = tl.load(LO + offs_m, mask=row_mask, other=0).to(tl.int64)
+    hi = tl.load(HI + offs_m, mask=row_mask, other=-1).to(tl.int64)
+    reads = row_mask & (hi >= lo)
+    first = tl.min(tl.where(reads, lo, n_keys), 0)
+    last = tl.max(tl.where(reads, hi, -1), 0)
+    start = (first // BLOCK_N) * BLOCK_N
+
+    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
+                mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
+    do = tl.load(DO + b * stride_dob + offs_m[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
+                 mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
+    lse2 = tl.load(LSE2 + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
+    delta = tl.load(DELTA + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
+    for start_n in range(start, last + 1, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < n_keys
+        k = tl.load(k_base + keys[:, None] * stride_kt + offs_dk[None, :],
+                    mask=key_ok[:, None] & dk_mask[None, :], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vt + offs_dv[None, :],
+                    mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=INPUT_PRECISION)
+            dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision=INPUT_PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        in_range = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
+        p = tl.where(in_range, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if DOT_FP32:  # dS enters the dot rounded to the input dtype, as on the GPU (a no-op for fp32)
+            dq += tl.dot(ds.to(k.dtype).to(tl.float32), k.to(tl.float32), input_precision=INPUT_PRECISION)
+        else:
+            dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * scale
+    tl.store(DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_dk[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_mask[:, None] & dk_mask[None, :])
+
+
+@triton.jit
+def _range_attention_dkdv_kernel(
+    Q, K, V, LO, HI, DO, LSE2, DELTA, DKEY, DVAL, QFIRST, QLAST,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_lb, stride_lt,
+    n_queries, n_keys, scale_log2, scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = keys < n_keys
+    dk_mask = offs_dk < DK
+    dv_mask = offs_dv < DV
+
+    k = tl.load(K + b * stride_kb + keys[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
+                mask=key_ok[:, None] & dk_mask[None, :], other=0.0)
+    v = tl.load(V + b * stride_vb + keys[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    q_first = tl.load(QFIRST + pid_n).to(tl.int64)
+    q_last = tl.load(QLAST + pid_n).to(tl.int64)
+    m_start = (q_first // BLOCK_M) * BLOCK_M
+
+    dkey = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
+    dval = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        for start_m in range(m_start, q_last + 1, BLOCK_M):
+            rows = start_m + offs_m
+            row_mask = rows < n_queries
+            lo = tl.load(LO + rows, mask=row_mask, other=0).to(tl.int64)
+            hi = tl.load(HI + rows, mask=row_mask, other=-1).to(tl.int64)
+            q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
+                        mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
+            do = tl.load(DO + b * stride_dob + rows[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
+                         mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
+            lse2 = tl.load(LSE2 + b * stride_lb + rows * stride_lt + h, mask=row_mask, other=0.0)
+            delta = tl.load(DELTA + b * stride_lb + rows * stride_lt + h, mask=row_mask, other=0.0)
+            if DOT_FP32:
+                sT = tl.dot(k, tl.trans(q.to(tl.float32)), input_precision=INPUT_PRECISION)
+                dpT = tl.dot(v, tl.trans(do.to(tl.float32)), input_precision=INPUT_PRECISION)
+            else:
+                sT = tl.dot(k, tl.trans(q))
+                dpT = tl.dot(v, tl.trans(do))
+            in_range = (keys[:, None] >= lo[None, :]) & (keys[:, None] <= hi[None, :])
+            pT = tl.where(in_range, tl.exp2(sT * scale_log2 - lse2[None, :]), 0.0)
+            dsT = pT * (dpT - delta[None, :])
+            if DOT_FP32:  # P and dS enter the dots rounded to the input dtype, as on the GPU
+                dval += tl.dot(pT.to(do.dtype).to(tl.float32), do.to(tl.float32), input_precision=INPUT_PRECISION)
+                dkey += tl.dot(dsT.to(q.dtype).to(tl.float32), q.to(tl.float32), input_precision=INPUT_PRECISION)
+            else:
+                dval += tl.dot(pT.to(do.dtype), do)
+                dkey += tl.dot(dsT.to(q.dtype), q)
+    dkey = dkey * scale
+    tl.store(DKEY + b * stride_kb + keys[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
+             dkey.to(DKEY.dtype.element_ty), mask=key_ok[:, None] & dk_mask[None, :])
+    tl.store(DVAL + b * stride_vb + keys[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+             dval.to(DVAL.dtype.element_ty), mask=key_ok[:, None] & dv_mask[None, :])
+
+
+def reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tuple[Tensor, Tensor]:
+    """For each key tile [i*block_n, min((i+1)*block_n, n_keys) - 1]: the first row whose range can reach it
+    (hi >= tile start) and the last one (lo <= tile end); int32 [n_tiles]. lo/hi must be non-decreasing."""
+    starts = torch.arange(0, n_keys, block_n, device=lo.device, dtype=torch.int64)
+    ends = torch.clamp(starts + block_n, max=n_keys) - 1
+    first = torch.searchsorted(hi.to(torch.int64).contiguous(), starts, right=False)
+    last = torch.searchsorted(lo.to(torch.int64).contiguous(), ends, right=True) - 1
+    return first.to(torch.int32), last.to(torch.int32)
+
+
+def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
+                             do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
+                             dkdv_tiling: RangeTiling | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous)."""
+    B, TQ, Hq, dk = q.shape
+    TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dq = torch.empty_like(q)
+    dkey = torch.empty_like(k)
+    dval = torch.empty_like(v)
+    if B * Hkv == 0 or TK == 0:
+        return dq.zero_(), dkey, dval
+    if TQ == 0:
+        return dq, dkey.zero_(), dval.zero_()
+    delta = (do.float() * o.float()).sum(dim=-1).contiguous()  # FlashAttention-2's D = rowsum(dO * O)
+    dot_fp32, precision = dot_settings(q.dtype)
+    common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
+                  INPUT_PRECISION=precision)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+               lse2.stride(0), lse2.stride(1))
+
+    def launch_dq(t: RangeTiling) -> None:
+        _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m), Hq, B)](
+            q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            num_warps=t.num_warps, num_stages=t.num_stages, **common)
+
+    def launch_dkdv(t: RangeTiling) -> None:
+        q_first, q_last = reading_rows(lo, hi, TK, t.block_n)
+        _range_attention_dkdv_kernel[(triton.cdiv(TK, t.block_n), Hkv, B)](
+            q, k, v, lo, hi, do, lse2, delta, dkey, dval, q_first, q_last, *strides,
+            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            num_warps=t.num_warps, num_stages=t.num_stages, **common)
+
+    first = dq_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dq")
+    launch_with_fallback(launch_dq, first, smaller_range_tilings(first))
+    first = dkdv_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dkdv")
+    launch_with_fallback(launch_dkdv, first, smaller_range_tilings(first))
+    return dq, dkey, dval
