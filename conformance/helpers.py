@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -166,3 +170,30 @@ def first_difference(a: Tensor, b: Tensor) -> str:
         return ""
     idx = tuple(int(i) for i in neq.nonzero()[0])
     return f"first at index {idx}: {a[idx].item()!r} vs {b[idx].item()!r} ({int(neq.sum())} entries differ)"
+
+
+def write_merged_report(out_dir: Path | str, stem: str, report: dict, markdown: Callable[[dict], str]) -> dict:
+    """Write this process's part of a GPU report and the merge of every part so far, so the report stays whole
+    when pytest-xdist splits a module over workers: <stem>.part-<worker>.json (one per worker, "main" without
+    xdist), then <stem>.json and <stem>.md holding every part's lists concatenated (the other keys from the first
+    part). The last worker to finish writes the complete merge. Returns the merged report."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _atomic_write(out_dir / f"{stem}.part-{worker}.json", json.dumps(report, indent=2, default=str))
+    merged: dict = {}
+    for part in sorted(out_dir.glob(f"{stem}.part-*.json")):
+        for key, value in json.loads(part.read_text()).items():
+            if isinstance(value, list):
+                merged.setdefault(key, []).extend(value)
+            else:
+                merged.setdefault(key, value)
+    _atomic_write(out_dir / f"{stem}.json", json.dumps(merged, indent=2, default=str))
+    _atomic_write(out_dir / f"{stem}.md", markdown(merged))
+    return merged
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

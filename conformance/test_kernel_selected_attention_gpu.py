@@ -14,13 +14,12 @@ import json
 import math
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance.helpers import error_ratio, rel_error
+from conformance.helpers import error_ratio, rel_error, write_merged_report
 from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels.selected_attention_bwd import (selected_attention_backward, selected_attention_backward_dkdv,
@@ -63,9 +62,7 @@ def write_report(request: pytest.FixtureRequest):
     if terminal is not None:
         terminal.write_line("\n" + text)
     if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "selected_attention_kernel_gpu.json").write_text(json.dumps(REPORT, indent=2))
-        (Path(out) / "selected_attention_kernel_gpu.md").write_text(text)
+        write_merged_report(out, "selected_attention_kernel_gpu", REPORT, markdown)
 
 
 def sampled_rows(case: Case, seed: int) -> torch.Tensor:

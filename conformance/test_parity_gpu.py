@@ -20,6 +20,9 @@ getting the same low-precision inputs and the float64 oracle their exact values)
 Outputs are teacher-forced on one selection; free selections are compared tie-aware
 (conformance/parity.selection_mismatches) with SELECTION_RTOL. Chunk-size/batch invariance of the selection is
 checked bitwise on CUDA.
+Every check also runs with range_backend="triton" (issue 8: the compressed and window branches and Eq. 8 + 10 on
+the range-attention and group-scores kernels; `-k range` selects those runs), reported with "range kernels" in
+the case name.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from hypothesis import strategies as st
 
 import optimized as O
 import reference
-from conformance.helpers import Inputs, error_ratio, make_inputs
+from conformance.helpers import Inputs, error_ratio, make_inputs, write_merged_report
 from conformance.parity import (cotangent, grads_of, low_precision_example, reference_teacher_forced,
                                 score_tolerance, selection_mismatches, small_configs, tensor_names)
 from reference import selection as ref_selection
@@ -73,12 +76,10 @@ def write_report(request: pytest.FixtureRequest):
     REPORT["torch"] = torch.__version__
     REPORT["triton"] = __import__("triton").__version__
     out = report_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "parity_gpu.json").write_text(json.dumps(REPORT, indent=2, default=str))
-    (out / "parity_gpu.md").write_text(markdown(REPORT))
+    merged = write_merged_report(out, "parity_gpu", REPORT, markdown)
     terminal = request.config.pluginmanager.getplugin("terminalreporter")
     if terminal is not None:
-        terminal.write_line(markdown(REPORT))
+        terminal.write_line(markdown(merged))
         terminal.write_line(f"parity summary written to {out}/parity_gpu.json and .md")
 
 
@@ -108,8 +109,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # Small configs vs the loop reference (same suite as on CPU, kernels on the GPU) ---------------------------------
-def check_small(cfg: NSAConfig, T: int, dtype: torch.dtype, case: str) -> None:
-    result = low_precision_example(cfg, T, dtype, seed=T + 7, device=DEVICE, backend="auto")
+RANGE_BACKENDS = ("torch", "triton")
+
+
+def backend_label(range_backend: str) -> str:
+    return "" if range_backend == "torch" else " (range kernels)"
+
+
+def check_small(cfg: NSAConfig, T: int, dtype: torch.dtype, case: str, range_backend: str = "torch") -> None:
+    result = low_precision_example(cfg, T, dtype, seed=T + 7, device=DEVICE, backend="auto",
+                                   range_backend=range_backend)
+    case += backend_label(range_backend)
     name, ratio = worst(result.ratios)
     REPORT["small_vs_loop_reference"].append({
         "case": case, "dtype": dtype_name(dtype), "shape": f"B=1 T={T} Hq={cfg.n_heads} Hkv={cfg.n_kv_heads} "
@@ -132,16 +142,26 @@ def test_small_configs_vs_loop_reference(data):
     check_small(cfg, T, dtype, "hypothesis")
 
 
+@given(data=st.data())
+def test_small_configs_vs_loop_reference_range_kernels(data):
+    cfg = data.draw(small_configs(), label="cfg")
+    T = data.draw(st.integers(1, 96), label="T")
+    dtype = data.draw(st.sampled_from(GPU_DTYPES), label="dtype")
+    note(f"cfg={cfg} T={T} dtype={dtype} range_backend=triton")
+    check_small(cfg, T, dtype, "hypothesis", range_backend="triton")
+
+
+@pytest.mark.parametrize("range_backend", RANGE_BACKENDS, ids=["torch", "range"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("preset", ["paper", "equal_blocks", "window_w_plus_1", "strict_cmp_visibility",
                                     "logit_scores", "mean_group_reduce"])
-def test_presets_vs_loop_reference(preset, dtype):
+def test_presets_vs_loop_reference(preset, dtype, range_backend):
     cfg = NSAConfig.preset(preset, n_heads=8, n_kv_heads=2, head_dim_qk=16, head_dim_v=8, window=40, n_sel=4)
     if preset != "equal_blocks":
         cfg = cfg.replace(cmp_block=8, cmp_stride=4, sel_block=16)
     else:
         cfg = cfg.replace(cmp_block=16, cmp_stride=16, sel_block=16)
-    check_small(cfg, 96, dtype, preset)
+    check_small(cfg, 96, dtype, preset, range_backend)
 
 
 # 1k-8k with the paper's head layout: the full run on the kernels vs the loop reference on sampled rows ----------
@@ -171,9 +191,10 @@ def reference_rows_with_grads(inputs, cfg: NSAConfig, rows: torch.Tensor, indice
     return result
 
 
+@pytest.mark.parametrize("range_backend", RANGE_BACKENDS, ids=["torch", "range"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("T", [1061, 8192])
-def test_kernels_vs_loop_reference_up_to_8k(T, dtype):
+def test_kernels_vs_loop_reference_up_to_8k(T, dtype, range_backend):
     cfg = PAPER_HEADS
     low = make_inputs(cfg, T, seed=T, dtype=dtype, phi_hidden=64)  # on CPU; the GPU run gets a copy
     exact = low.to(dtype=torch.float64)
@@ -185,7 +206,7 @@ def test_kernels_vs_loop_reference_up_to_8k(T, dtype):
         k_cmp64 = O.compress(gpu_exact.kv.cmp.k, gpu_exact.kv.cmp.v, cfg, gpu_exact.phi)[0]
         indices64 = O.selection_indices(gpu_exact.q, k_cmp64, cfg)
         scores64 = O.selection_scores(gpu_exact.q, k_cmp64, cfg).cpu()
-        free = O.selection_indices(gpu_exact.q.to(dtype), k_cmp64.to(dtype), cfg).cpu()
+        free = O.selection_indices(gpu_exact.q.to(dtype), k_cmp64.to(dtype), cfg, range_backend=range_backend).cpu()
         ref_k_cmp = reference.compress(exact.kv.cmp.k, exact.kv.cmp.v, cfg, exact.phi)[0]
         ref_scores = ref_selection.selection_scores_rows(exact.q[:, rows], ref_k_cmp, cfg, rows.tolist(),
                                                          scores64.shape[-1])
@@ -204,7 +225,8 @@ def test_kernels_vs_loop_reference_up_to_8k(T, dtype):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    out = O.nsa_forward(run_in.q, run_in.kv, run_in.gates, cfg, run_in.phi, backend="triton", indices=indices64)
+    out = O.nsa_forward(run_in.q, run_in.kv, run_in.gates, cfg, run_in.phi, backend="triton", indices=indices64,
+                        range_backend=range_backend)
     grads = grads_of(out.o, run_in, weight.to(device=DEVICE))
     torch.cuda.synchronize()
     seconds, peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()
@@ -217,7 +239,7 @@ def test_kernels_vs_loop_reference_up_to_8k(T, dtype):
     differing = int((free != indices64.cpu()).any(-1).sum())
     name, ratio = worst(ratios)
     REPORT["kernels_up_to_8k"].append({
-        "case": f"paper heads T={T}", "dtype": dtype_name(dtype),
+        "case": f"paper heads T={T}{backend_label(range_backend)}", "dtype": dtype_name(dtype),
         "shape": f"B=1 T={T} Hq=64 Hkv=4 dk=192 dv=128 l=32 d=16 l'=64 n=16 w=512, phi mlp",
         "oracle": f"loop reference float64 on {len(rows)} sampled rows (CPU); baseline: loop reference in dtype",
         "worst_ratio": (name, ratio), "ratios": ratios, "seconds_fwd_bwd": seconds, "peak_bytes": peak,
@@ -228,27 +250,34 @@ def test_kernels_vs_loop_reference_up_to_8k(T, dtype):
 
 
 # Chunk size and batch composition on CUDA (bitwise indices) ------------------------------------------------------
+@pytest.mark.parametrize("range_backend", RANGE_BACKENDS, ids=["torch", "range"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
-def test_selection_chunk_and_batch_invariance_on_gpu(dtype):
+def test_selection_chunk_and_batch_invariance_on_gpu(dtype, range_backend):
     cfg = PAPER_HEADS
     T = 4096
     x = make_inputs(cfg, T, B=2, seed=3, dtype=dtype, device=DEVICE, phi_hidden=64)
     k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi)[0]
-    whole = O.selection_indices(x.q, k_cmp, cfg, chunk_size=T)
+
+    def indices(q, k, chunk):
+        return O.selection_indices(q, k, cfg, chunk_size=chunk, range_backend=range_backend)
+
+    whole = indices(x.q, k_cmp, T)
     mismatches = {}
     for chunk in (1, 97, 512, 1500):
-        mismatches[f"chunk {chunk}"] = int((O.selection_indices(x.q, k_cmp, cfg, chunk_size=chunk) != whole).sum())
+        mismatches[f"chunk {chunk}"] = int((indices(x.q, k_cmp, chunk) != whole).sum())
     for b in range(2):
-        alone = O.selection_indices(x.q[b:b + 1], k_cmp[b:b + 1], cfg, chunk_size=333)
+        alone = indices(x.q[b:b + 1], k_cmp[b:b + 1], 333)
         mismatches[f"batch element {b} alone"] = int((alone != whole[b:b + 1]).sum())
     REPORT["chunk_invariance"].append({
-        "case": "selection_indices", "dtype": dtype_name(dtype), "shape": f"B=2 T={T} paper heads",
+        "case": f"selection_indices{backend_label(range_backend)}", "dtype": dtype_name(dtype),
+        "shape": f"B=2 T={T} paper heads",
         "oracle": "itself with chunk_size=T (bitwise)", "detail": json.dumps(mismatches)})
     assert not any(mismatches.values()), mismatches
 
 
 # T = 65536, paper config, bf16 -------------------------------------------------------------------------------
-def test_65536_tokens_paper_config():
+@pytest.mark.parametrize("range_backend", RANGE_BACKENDS, ids=["torch", "range"])
+def test_65536_tokens_paper_config(range_backend):
     T = LONG_T
     cfg = PAPER_HEADS.replace(head_dim_qk=128, head_dim_v=128)
     dtype = torch.bfloat16
@@ -259,7 +288,8 @@ def test_65536_tokens_paper_config():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    out = O.nsa_forward(run_in.q, run_in.kv, run_in.gates, cfg, run_in.phi)  # auto: the Triton selected branch
+    # auto: the Triton selected branch; range_backend "triton": the compressed and window branches and Eq. 8 + 10 too
+    out = O.nsa_forward(run_in.q, run_in.kv, run_in.gates, cfg, run_in.phi, range_backend=range_backend)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     grads = grads_of(out.o, run_in, weight.to(DEVICE))
@@ -297,7 +327,7 @@ def test_65536_tokens_paper_config():
 
     name, ratio = worst(ratios)
     REPORT["long_65536"].append({
-        "case": "paper config, 64k", "dtype": "bfloat16",
+        "case": f"paper config, 64k{backend_label(range_backend)}", "dtype": "bfloat16",
         "shape": f"B=1 T={T} Hq=64 Hkv=4 dk=dv=128 l=32 d=16 l'=64 n=16 w=512, phi mlp",
         "oracle": f"loop reference float64 on {len(rows)} sampled rows (CPU); baseline: loop reference bf16",
         "worst_ratio": (name, ratio), "ratios": ratios, "ratios_with_vectorized_fp32_oracle": ratios_vs_fp32,

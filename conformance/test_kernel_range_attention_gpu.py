@@ -1,0 +1,187 @@
+"""GPU run of the Triton range-attention and group-scores kernels (skipped without CUDA): parity in bf16, fp16 and
+fp32 at the shapes the paper config produces, group sizes 1 to 64, head dims up to 256, packed documents.
+
+Run (H100):  python -m pytest conformance/test_kernel_range_attention_gpu.py -m gpu -q
+Results go to $OUT/range_attention_kernel_gpu.json and .md when OUT is set (tables are printed either way).
+
+Parity rule (FlashAttention's, helpers.error_ratio): max |kernel - float64 naive| <= 2 x max |naive run in the
+same dtype - float64 naive| + 1e-6, for o, lse, dq, dk, dv (the dense naive oracle holds [Hq, TQ, TK] logits, so
+the cases keep Hq * TQ * TK within a few GiB in float64). The group scores are compared with the optimized
+torch path's float64 scores under the same rule, with the torch path's dense arithmetic run in the dtype itself as
+the baseline (scores_in_dtype).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import optimized as O
+from conformance.helpers import error_ratio, make_inputs, write_merged_report
+from conformance.parity import score_tolerance, selection_mismatches
+from optimized import masks
+from optimized.documents import documents
+from optimized.kernels import range_attention_naive, triton_range_attention
+from optimized.ranges import compressed_ranges, window_ranges
+from reference.config import NSAConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEVICE = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PAPER = NSAConfig.preset("paper")  # l=32, d=16, l'=64, n=16, w=512
+
+# name: (layout, T, Hq, Hkv, dk, dv); layout window | compressed | window-packed | compressed-packed
+CASES = {
+    "window-4k-h16-d128": ("window", 4096, 16, 1, 128, 128),
+    "compressed-8k-h16-dk192-dv128": ("compressed", 8192, 16, 1, 192, 128),
+    "window-2k-h1-d256": ("window", 2048, 4, 4, 256, 256),
+    "compressed-4k-h64-d64": ("compressed", 4096, 64, 1, 64, 64),
+    "window-packed-4k-h4-d128": ("window-packed", 4096, 8, 2, 128, 128),
+    "compressed-packed-4k-h4-d128": ("compressed-packed", 4096, 8, 2, 128, 128),
+    "window-1k-h3-dk96-dv160": ("window", 1000, 6, 2, 96, 160),
+}
+PACKED_LENGTHS = [700, 0, 31, 32, 1500, 1, 1833]  # the last one is cut to fit T
+SELECTION_RTOL = {torch.float32: 1e-5, torch.bfloat16: 6e-2}  # as test_parity_gpu: near-ties may order either way
+
+REPORT: dict = {"parity": [], "scores": []}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_report(request: pytest.FixtureRequest):
+    yield
+    REPORT["device"] = torch.cuda.get_device_name()
+    REPORT["torch"] = torch.__version__
+    REPORT["triton"] = __import__("triton").__version__
+    report = REPORT
+    out = os.environ.get("OUT")
+    if out:
+        report = write_merged_report(out, "range_attention_kernel_gpu", REPORT, markdown)
+    terminal = request.config.pluginmanager.getplugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Triton range attention on {report.get('device')} (torch {report.get('torch')}, triton "
+             f"{report.get('triton')})", "",
+             "## Parity vs the dense naive oracle (error ratio <= 1 passes)", "",
+             "| case | dtype | o | lse | dq | dk | dv |", "|---|---|---|---|---|---|---|"]
+    for r in report["parity"]:
+        ratios = r["ratios"]
+        lines.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(f"{ratios[k]:.3f}" for k in
+                                                                   ("o", "lse", "dq", "dk", "dv")) + " |")
+    lines += ["", "## Group scores (Eq. 8 + 10) vs the torch path in float64", "",
+              "| case | dtype | score ratio | (row, group)s differing from float64 | outside the tie tolerance |",
+              "|---|---|---|---|---|"]
+    for r in report["scores"]:
+        lines.append(f"| {r['case']} | {r['dtype']} | {r['ratio']:.3f} | {r['differing']} | {r['outside']} |")
+    return "\n".join(lines)
+
+
+def layout_ranges(layout: str, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    positions = torch.arange(T, device=DEVICE)
+    docs = None
+    if layout.endswith("packed"):
+        lengths = PACKED_LENGTHS[:-1] + [T - sum(PACKED_LENGTHS[:-1])]
+        bounds = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device=DEVICE)
+        docs = documents(bounds, T, 1, PAPER, DEVICE)
+    if layout.startswith("window"):
+        lo, hi = window_ranges(positions, PAPER, docs)
+        return lo, hi, T
+    n_cmp = masks.compressed_block_count(T, PAPER) if docs is None else docs.n_compressed
+    lo, hi = compressed_ranges(positions, n_cmp, PAPER, docs)
+    return lo, hi, n_cmp
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_parity_with_naive(case: str, dtype_name: str) -> None:
+    layout, T, Hq, Hkv, dk, dv = CASES[case]
+    dtype = DTYPES[dtype_name]
+    lo, hi, n_keys = layout_ranges(layout, T)
+    g = torch.Generator().manual_seed(T + Hq)
+    q, k, v = (torch.randn(shape, generator=g).to(DEVICE, dtype) for shape in
+               ((1, T, Hq, dk), (1, n_keys, Hkv, dk), (1, n_keys, Hkv, dv)))
+    do = torch.randn((1, T, Hq, dv), generator=g).to(DEVICE, dtype)
+
+    def run(fn, leaf_dtype):
+        leaves = [x.detach().to(leaf_dtype).requires_grad_(True) for x in (q, k, v)]
+        o, lse = fn(*leaves, lo, hi)
+        grads = torch.autograd.grad(o, leaves, do.to(leaf_dtype))
+        return {"o": o.detach(), "lse": lse.detach(), "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+
+    got = run(triton_range_attention, dtype)
+    low = run(range_attention_naive, dtype)
+    exact = run(range_attention_naive, torch.float64)
+    reading = (hi >= lo)
+    ratios = {}
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        if name == "lse":
+            sel = (slice(None), reading)
+            ratios[name] = error_ratio(got[name][sel], low[name][sel].float(), exact[name][sel])
+        else:
+            ratios[name] = error_ratio(got[name], low[name], exact[name])
+        assert torch.isfinite(got[name][:, reading] if name in ("o", "lse", "dq") else got[name]).all(), name
+    REPORT["parity"].append({"case": case, "dtype": dtype_name, "ratios": ratios})
+    assert max(ratios.values()) <= 1.0, ratios
+
+
+def scores_in_dtype(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, cu: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 8-10 by the optimized torch path's dense per-chunk arithmetic, run in q's own dtype (the public
+    functions widen fp32 to fp64 and half to fp32): the low-precision baseline of the error-ratio rule."""
+    from optimized.scoring import _chunk_scores, _packed_chunk_scores, sel_block_count
+
+    T = q.shape[1]
+    positions = torch.arange(T, device=q.device)
+    k_low = k_cmp.to(q.dtype)
+    docs = None if cu is None else documents(cu, T, 1, cfg, q.device)
+    n_sel_blocks = sel_block_count(T, cfg) if docs is None else docs.n_sel_blocks
+    parts = []
+    for start in range(0, T, 256):
+        rows = slice(start, min(T, start + 256))
+        if docs is None:
+            parts.append(_chunk_scores(q[:, rows], k_low, positions[rows], n_sel_blocks, cfg))
+        else:
+            parts.append(_packed_chunk_scores(q[:, rows], k_low, positions[rows], n_sel_blocks, cfg, docs))
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["single", "packed"])
+def test_gpu_group_scores_and_selection(dtype_name: str, packed: bool) -> None:
+    """Paper heads (64 q heads, 4 groups, dk 192) at T = 4096: the kernel scores against the torch path's float64
+    scores (baseline: scores_in_dtype); the kernel selection agrees with the float64 one up to
+    near-ties (conformance.parity.selection_mismatches) and does not depend on the chunk size."""
+    cfg = PAPER
+    dtype = DTYPES[dtype_name]
+    T = 4096
+    x = make_inputs(cfg, T, seed=7, dtype=dtype, device=DEVICE, phi_hidden=64)
+    cu = None
+    if packed:
+        lengths = PACKED_LENGTHS[:-1] + [T - sum(PACKED_LENGTHS[:-1])]
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi, cu_seqlens=cu)[0]
+        kernel = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton")
+        low = scores_in_dtype(x.q, k_cmp, cfg, cu)
+        exact = O.selection_scores(x.q.double(), k_cmp.double(), cfg, cu_seqlens=cu)
+        finite = torch.isfinite(exact)
+        ratio = error_ratio(kernel[finite], low[finite], exact[finite])
+        indices = O.selection_indices(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton")
+        chunked = O.selection_indices(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton", chunk_size=777)
+        exact_indices = O.selection_indices(x.q.double(), k_cmp.double(), cfg, cu_seqlens=cu)
+    positions = torch.arange(T)
+    if cu is not None:
+        positions = documents(cu, T, 1, cfg, DEVICE).relative(positions.to(DEVICE)).cpu()
+    tol = score_tolerance(exact.cpu(), None, rel_slack=SELECTION_RTOL[dtype])
+    bad = selection_mismatches(indices.cpu(), exact_indices.cpu(), exact.cpu(), tol, cfg, positions=positions)
+    differing = int((indices != exact_indices).any(-1).sum())
+    REPORT["scores"].append({"case": f"paper heads T={T} {'packed' if packed else 'single'}", "dtype": dtype_name,
+                             "ratio": ratio, "differing": differing, "outside": len(bad)})
+    assert torch.equal(torch.isneginf(kernel), ~finite)
+    assert ratio <= 1.0, ratio
+    assert not bad, bad[:5]
+    assert torch.equal(indices, chunked), "kernel selection depends on the chunk size"
