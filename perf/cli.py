@@ -48,12 +48,15 @@ def parse_seq_lens(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _names(allowed: tuple[str, ...], flag: str):
+def _names(allowed: tuple[str, ...], flag: str, allow_none: bool = False):
     def parse(text: str) -> tuple[str, ...]:
+        if allow_none and text.strip() == "none":
+            return ()
         names = tuple(n.strip() for n in text.split(",") if n.strip())
         bad = [n for n in names if n not in allowed]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"{flag} must be a comma list of {allowed}, got {text!r}")
+            extra = " (or none)" if allow_none else ""
+            raise argparse.ArgumentTypeError(f"{flag} must be a comma list of {allowed}{extra}, got {text!r}")
         return names
     return parse
 
@@ -72,12 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=int, help="rounds per case; their spread sizes the regression threshold")
     run.add_argument("--warmup", type=int)
     run.add_argument("--time-budget", type=float, help="seconds; cases that would end past it are skipped")
+    run.add_argument("--case-cap", type=float, help="seconds; a case whose timed calls would take longer is skipped "
+                     "(keeps one slow implementation from spending the budget on its largest T)")
     run.add_argument("--impls", default="sdpa,nsa", help="sdpa, nsa, nsa[backend=torch,chunk_size=4096], ...")
     run.add_argument("--nsa-impl", default="optimized", help="module with the contract functions (or mod:attr)")
     run.add_argument("--workload", choices=tuple(WORKLOADS), default="single",
                      help="single: one sequence of T tokens per row; packed: one row of documents of mixed lengths "
                           "(cu_seqlens; SDPA one call per document). Add --merge to keep the other workload's rows")
-    run.add_argument("--stages", type=_names(NSA_STAGES, "--stages"), help=f"subset of {NSA_STAGES}")
+    run.add_argument("--stages", type=_names(NSA_STAGES, "--stages", allow_none=True),
+                     help=f"subset of {NSA_STAGES}, or none (the whole layer only)")
     run.add_argument("--passes", type=_names(PASSES, "--passes"), help=f"subset of {PASSES}")
     run.add_argument("--out", type=Path, help="results folder (default reports/perf, or $OUT/perf when $OUT is set)")
     run.add_argument("--merge", action="store_true", help="keep rows of --out that this sweep does not measure")
@@ -131,7 +137,8 @@ def cmd_run(args) -> int:
     device = _device(args.device)
     overrides = {k: v for k, v in {
         "seq_lens": args.seq_lens, "batch": args.batch, "repeats": args.repeats, "rounds": args.rounds,
-        "warmup": args.warmup, "time_budget_s": args.time_budget, "stages": args.stages, "passes": args.passes,
+        "warmup": args.warmup, "time_budget_s": args.time_budget, "case_cap_s": args.case_cap, "stages": args.stages,
+        "passes": args.passes,
     }.items() if v is not None}
     spec = preset(args.preset, **overrides)
     with_sdpa, variants = parse_impls(args.impls, args.nsa_impl)

@@ -128,41 +128,41 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     fig.suptitle(title, fontsize=9)
     paths.append(_save(fig, out_dir / "speedup.png", plt))
 
-    # 3. per-stage stacked bars (first NSA implementation): each stage's share of the sum of stage medians
-    #    (a linear 100% stack, so shares stay comparable across T), absolute times written on the bars.
+    # 3. per-stage stacked bars, one row of panels per NSA implementation: each stage's share of the sum of stage
+    #    medians (a linear 100% stack, so shares stay comparable across T), absolute times written on the bars.
     nsa = nsa_impls(rows)
     if nsa:
-        impl = nsa[0]
         idx = _index(ok)
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
-        for ax, pass_name in zip(axes, PASSES):
-            xs = list(range(len(seq_lens)))
-            times = {stage: [getattr(idx.get((T, impl, stage, pass_name)), "median_ms", 0.0) for T in seq_lens]
-                     for stage in NSA_STAGES}
-            totals = [sum(times[s][i] for s in NSA_STAGES) for i in xs]
-            bottoms = [0.0] * len(xs)
-            for stage in NSA_STAGES:
-                shares = [100 * t / tot if tot else 0.0 for t, tot in zip(times[stage], totals)]
-                ax.bar(xs, shares, bottom=bottoms, label=stage)
-                bottoms = [b + h for b, h in zip(bottoms, shares)]
-            for x, T, total in zip(xs, seq_lens, totals):
-                layer = idx.get((T, impl, LAYER, pass_name))
-                text = f"sum {_ms(total)} ms" + (f"\nlayer {_ms(layer.median_ms)} ms" if layer else "")
-                ax.text(x, 101, text, ha="center", va="bottom", fontsize=7)
-            ax.set_ylim(0, 118)
-            ax.set_xticks(xs)
-            ax.set_xticklabels([_t(t) for t in seq_lens])
-            ax.set_xlabel("sequence length T")
-            ax.set_ylabel("share of the summed stage medians (%)")
-            ax.set_title(f"{impl} stages, {PASS_TITLE[pass_name]}", fontsize=10)
-        _legend(axes[-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig, grid = plt.subplots(len(nsa), 2, figsize=(11, 4.6 * len(nsa)), squeeze=False)
+        for impl, axes in zip(nsa, grid):
+            for ax, pass_name in zip(axes, PASSES):
+                xs = list(range(len(seq_lens)))
+                times = {stage: [getattr(idx.get((T, impl, stage, pass_name)), "median_ms", 0.0) for T in seq_lens]
+                         for stage in NSA_STAGES}
+                totals = [sum(times[s][i] for s in NSA_STAGES) for i in xs]
+                bottoms = [0.0] * len(xs)
+                for stage in NSA_STAGES:
+                    shares = [100 * t / tot if tot else 0.0 for t, tot in zip(times[stage], totals)]
+                    ax.bar(xs, shares, bottom=bottoms, label=stage)
+                    bottoms = [b + h for b, h in zip(bottoms, shares)]
+                for x, T, total in zip(xs, seq_lens, totals):
+                    layer = idx.get((T, impl, LAYER, pass_name))
+                    text = f"sum {_ms(total)} ms" + (f"\nlayer {_ms(layer.median_ms)} ms" if layer else "")
+                    ax.text(x, 101, text, ha="center", va="bottom", fontsize=7)
+                ax.set_ylim(0, 118)
+                ax.set_xticks(xs)
+                ax.set_xticklabels([_t(t) for t in seq_lens])
+                ax.set_xlabel("sequence length T")
+                ax.set_ylabel("share of the summed stage medians (%)")
+                ax.set_title(f"{impl} stages, {PASS_TITLE[pass_name]}", fontsize=10)
+            _legend(axes[-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.suptitle(title, fontsize=9)
         paths.append(_save(fig, out_dir / "stages.png", plt))
 
     # 4. achieved TFLOP/s vs the measured peak, and measured time / floor time.
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     peak = _peak(out_dir)
-    series = [(SDPA, LAYER)] + [(impl, s) for impl in nsa[:1] for s in (*NSA_STAGES, LAYER)]
+    series = [(SDPA, LAYER)] + [(impl, s) for impl in nsa for s in (*NSA_STAGES, LAYER)]
     for impl, stage in series:
         pts = sorted((r.seq_len, r.tflops) for r in ok if r.impl == impl and r.stage == stage
                      and r.pass_name == "fwd" and r.tflops)

@@ -136,8 +136,15 @@ class Runner:
         return seconds * (plan.seq_len / T0) ** 2
 
     def _skip(self, row: Row, per_call_s: float, calls: int, how: str) -> bool:
-        """Mark row skipped when `calls` more calls of per_call_s would end past the budget."""
+        """Mark row skipped when `calls` more calls of per_call_s would end past the budget, or take longer than
+        the per-case cap (BenchSpec.case_cap_s)."""
         cost = per_call_s * calls
+        cap = self.spec.case_cap_s
+        if cap is not None and cost > cap:
+            row.status = SKIPPED
+            row.note = (f"skipped by the per-case cap: {calls} more calls of ~{per_call_s * 1e3:.0f} ms ({how}) need "
+                        f"~{cost:.0f} s > {cap:.0f} s")
+            return True
         if cost <= self.remaining():
             return False
         row.status = SKIPPED

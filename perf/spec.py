@@ -40,6 +40,8 @@ class BenchSpec:
     rounds: int = 2  # rounds per case; spread = (max - min) / min of the round medians
     flush_bytes: int = 256 * 2**20  # L2 flush buffer, zeroed before every timed run (H100 L2 = 50 MiB)
     time_budget_s: float = 450.0  # wall-clock budget of the sweep; cases that would exceed it are skipped
+    case_cap_s: float | None = None  # a case whose calls would take longer than this is skipped (None: no cap), so
+    #                                  one slow implementation cannot spend a short sweep's budget on its largest T
     sdpa_gqa: str = "expand"  # "expand": k/v repeated to the query heads before timing; "enable_gqa": SDPA's flag
     matmul_size: int = 8192  # the matmul ceiling multiplies two [size, size] random matrices in `dtype`
     copy_bytes: int = 2**30  # the copy ceiling copies a buffer of this many bytes device-to-device
@@ -68,6 +70,8 @@ class BenchSpec:
             raise ValueError(f"BenchSpec.sdpa_gqa must be one of {SDPA_GQA_MODES}, got {self.sdpa_gqa!r}")
         if self.time_budget_s <= 0:
             raise ValueError(f"BenchSpec.time_budget_s must be > 0, got {self.time_budget_s}")
+        if self.case_cap_s is not None and self.case_cap_s <= 0:
+            raise ValueError(f"BenchSpec.case_cap_s must be > 0 or None, got {self.case_cap_s}")
         if not 0 < self.regression_floor < 10:
             raise ValueError(f"BenchSpec.regression_floor must be a fraction in (0, 10), got {self.regression_floor}")
         if self.spread_factor < 1:

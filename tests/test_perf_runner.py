@@ -329,3 +329,13 @@ def test_tiny_packed_sweep_merges_next_to_the_single_sequence(tmp_path, one_thre
 
 def spec_phi_width() -> int:
     return preset("tiny").phi_width
+
+
+def test_case_cap_skips_slow_cases_and_says_so(tmp_path, one_thread):
+    out = tmp_path / "perf"
+    assert main(["run", "--device", "cpu", "--preset", "tiny", "--seq-lens", "64", "--stages", "gate", "--passes",
+                 "fwd", "--repeats", "2", "--out", str(out), "--case-cap", "1e-9"]) == 0
+    rows = read_rows(out / "results.csv")
+    assert rows and all(r.status == SKIPPED and "per-case cap" in r.note for r in rows)
+    with pytest.raises(ValueError, match="case_cap_s"):
+        preset("tiny", case_cap_s=0)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (H100/H200; a 10-minute command limit, at most 8 files fetched back): run one part of the
+# GPU evidence and pack every report and log into $OUT/gpu_session.tgz (rewritten after each step, so a call cut
+# by its time limit still returns what finished). Runs from the repository root, in the interpreter that has
+# torch + triton; installs nothing but the carried wheels in .whl/ (nox; see ../shared/wheels/README.md).
+#
+#   bash scripts/gpu_session.sh checks [seconds]   conformance-gpu (nox, fp32 + bf16) in parallel with the kernel
+#                                                  tests and the parity suite's range-kernel runs (pytest-xdist)
+#   bash scripts/gpu_session.sh perf [seconds]     perf sweep of SDPA, nsa (torch path) and nsa[range_backend=triton]:
+#                                                  packed documents, then the single sequence, one results folder
+#
+# COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
+# `tar xzf gpu_session.tgz -C <dir>`; reports/README.md says where each file is committed.
+set -u
+MODE=${1:?usage: gpu_session.sh checks|perf [seconds]}
+BUDGET=${2:-400}
+REAL_OUT=${OUT:?OUT must name the folder whose files come back}
+STAGE=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+STARTED=$(date +%s)
+
+pack() {
+  tar czf "$REAL_OUT/.gpu_session.tgz" -C "$STAGE" . && mv "$REAL_OUT/.gpu_session.tgz" "$REAL_OUT/gpu_session.tgz"
+}
+left() { echo $((BUDGET - ($(date +%s) - STARTED))); }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+{ nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } \
+  > "$STAGE/env.txt" 2>&1
+pack
+
+case "$MODE" in
+  checks)
+    # Compile-bound work (Triton builds on the host CPUs): two pytest runs side by side, each with xdist workers.
+    (OUT=$STAGE timeout -k 15 $(( $(left) - 20 )) python3 -m nox -s conformance-gpu > "$STAGE/conformance_gpu.log" 2>&1
+     echo "exit $?" >> "$STAGE/conformance_gpu.log") &
+    OUT=$STAGE NSA_REPORT_DIR=$STAGE/reports/parity timeout -k 15 $(( $(left) - 25 )) \
+      python3 -m pytest -q -p no:cacheprovider -n 6 \
+      conformance/test_kernel_range_attention.py conformance/test_kernel_range_attention_gpu.py \
+      conformance/test_kernel_selected_attention.py conformance/test_kernel_selected_attention_gpu.py \
+      conformance/test_parity_gpu.py \
+      -k "(not test_parity_gpu or (range and not 8192)) and (not test_kernel_selected_attention_gpu or (parity_with_naive and bf16))" \
+      > "$STAGE/kernel_and_parity_tests.log" 2>&1
+    echo "exit $?" >> "$STAGE/kernel_and_parity_tests.log"
+    pack
+    wait
+    pack
+    ;;
+  perf)
+    # A fresh sweep: the default torch path (nsa), the range kernels and SDPA, all in this run, so every ratio in
+    # the report compares rows of one run. Packed documents first (short: the whole layer only, 8k-64k), then the
+    # single sequence, merged into the same results; a case over --case-cap seconds is skipped and says so.
+    COMMIT_ARGS=${COMMIT:+--commit $COMMIT}
+    IMPLS="sdpa,nsa,nsa[range_backend=triton]"
+    OUT=$STAGE timeout -k 15 100 python3 -m perf run --device cuda $COMMIT_ARGS --workload packed --impls "$IMPLS" \
+      --stages none --seq-lens 8k,16k,32k,64k --case-cap 10 --time-budget 70 > "$STAGE/perf_packed.log" 2>&1
+    echo "exit $?" >> "$STAGE/perf_packed.log"
+    pack
+    OUT=$STAGE timeout -k 15 $(( $(left) - 10 )) python3 -m perf run --device cuda --merge $COMMIT_ARGS \
+      --impls "$IMPLS" --case-cap 15 --time-budget $(( $(left) - 70 )) --update-baseline \
+      > "$STAGE/perf_single.log" 2>&1
+    echo "exit $?" >> "$STAGE/perf_single.log"
+    pack
+    ;;
+  *)
+    echo "unknown mode $MODE (checks | perf)" >&2
+    exit 2
+    ;;
+esac
+tail -n 30 "$STAGE"/*.log
