@@ -288,3 +288,19 @@ def test_scale_default_is_one_over_sqrt_dk() -> None:
     a, _ = triton_range_attention(q, k, v, lo.to(DEVICE), hi.to(DEVICE))
     b, _ = triton_range_attention(q, k, v, lo.to(DEVICE), hi.to(DEVICE), scale=1.0 / math.sqrt(9))
     assert torch.equal(a, b)
+
+
+def test_gpu_launch_table_covers_every_kernel_and_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled-GPU launch heuristic (not the interpreter's 16 x 16) gives a valid tiling for every kernel,
+    dtype and padded head width the kernels accept."""
+    from optimized.kernels.tiling import RANGE_KINDS, range_tiling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for kind in RANGE_KINDS:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for block_dk in (16, 32, 64, 128, 256):
+                for block_dv in (16, 64, 128, 256):
+                    t = range_tiling(block_dk, block_dv, dtype, kind)
+                    assert t.block_m >= 16 and t.block_n >= 16 and t.num_stages >= 1
+    with pytest.raises(ValueError, match="kind"):
+        range_tiling(64, 64, torch.bfloat16, "backward")

@@ -49,8 +49,8 @@ def _group_scores_kernel(
     head_m = offs_m % GROUP_PAD
     valid_m = (t_m < n_queries) & (head_m < GROUP)
     h_m = g * GROUP + head_m
-    lo_m = tl.load(LO + t_m, mask=valid_m, other=0).to(tl.int64)
-    hi_m = tl.load(HI + t_m, mask=valid_m, other=-1).to(tl.int64)
+    lo_m = tl.load(LO + t_m, mask=valid_m, other=0)  # int32 ranges and keys, int64 pointer offsets
+    hi_m = tl.load(HI + t_m, mask=valid_m, other=-1)
     reads = valid_m & (hi_m >= lo_m)
     first = tl.min(tl.where(reads, lo_m, n_keys), 0)
     last = tl.max(tl.where(reads, hi_m, -1), 0)
@@ -68,8 +68,8 @@ def _group_scores_kernel(
     offs_r = tl.arange(0, ROWS_PAD)
     t_r = pid * ROWS + offs_r
     valid_r = (offs_r < ROWS) & (t_r < n_queries)
-    lo_r = tl.load(LO + t_r, mask=valid_r, other=0).to(tl.int64)
-    hi_r = tl.load(HI + t_r, mask=valid_r, other=-1).to(tl.int64)
+    lo_r = tl.load(LO + t_r, mask=valid_r, other=0)
+    hi_r = tl.load(HI + t_r, mask=valid_r, other=-1)
     head_sum = tl.where(offs_m[None, :] // GROUP_PAD == offs_r[:, None], 1.0, 0.0)  # [ROWS_PAD, BLOCK_M]
 
     offs_n = tl.arange(0, BLOCK_N)
@@ -78,7 +78,7 @@ def _group_scores_kernel(
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
-        kT = tl.load(k_base + keys[None, :] * stride_kt + offs_dk[:, None],
+        kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk[:, None],
                      mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
         if DOT_FP32:
             s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
@@ -94,7 +94,7 @@ def _group_scores_kernel(
         cols = keys[None, :] - lo_r[:, None]
         out_mask = valid_r[:, None] & (keys[None, :] >= lo_r[:, None]) & (keys[None, :] <= hi_r[:, None]) \
             & (cols < width)
-        tl.store(p_base + t_r[:, None] * stride_pt + cols, total, mask=out_mask)
+        tl.store(p_base + t_r[:, None] * stride_pt + cols.to(tl.int64), total, mask=out_mask)
 
 
 def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse: Tensor | None, width: int, scale: float,

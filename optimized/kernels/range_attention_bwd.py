@@ -48,8 +48,8 @@ def _range_attention_dq_kernel(
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
 
-    lo = tl.load(LO + offs_m, mask=row_mask, other=0).to(tl.int64)
-    hi = tl.load(HI + offs_m, mask=row_mask, other=-1).to(tl.int64)
+    lo = tl.load(LO + offs_m, mask=row_mask, other=0)  # int32 ranges and keys, int64 pointer offsets
+    hi = tl.load(HI + offs_m, mask=row_mask, other=-1)
     reads = row_mask & (hi >= lo)
     first = tl.min(tl.where(reads, lo, n_keys), 0)
     last = tl.max(tl.where(reads, hi, -1), 0)
@@ -71,9 +71,9 @@ def _range_attention_dq_kernel(
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
-        k = tl.load(k_base + keys[:, None] * stride_kt + offs_dk[None, :],
+        k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kt + offs_dk[None, :],
                     mask=key_ok[:, None] & dk_mask[None, :], other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vt + offs_dv[None, :],
+        v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vt + offs_dv[None, :],
                     mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=INPUT_PRECISION)
@@ -110,7 +110,7 @@ def _range_attention_dkdv_kernel(
     kvh = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
 
-    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keys = pid_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 indices, int64 pointer offsets
     offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -118,15 +118,16 @@ def _range_attention_dkdv_kernel(
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
 
-    k = tl.load(K + b * stride_kb + keys[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
+    keys64 = keys.to(tl.int64)
+    k = tl.load(K + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
                 mask=key_ok[:, None] & dk_mask[None, :], other=0.0)
-    v = tl.load(V + b * stride_vb + keys[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+    v = tl.load(V + b * stride_vb + keys64[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                 mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    q_first = tl.load(QFIRST + pid_n).to(tl.int64)
-    q_last = tl.load(QLAST + pid_n).to(tl.int64)
+    q_first = tl.load(QFIRST + pid_n)
+    q_last = tl.load(QLAST + pid_n)
     m_start = (q_first // BLOCK_M) * BLOCK_M
 
     dkey = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
@@ -136,14 +137,15 @@ def _range_attention_dkdv_kernel(
         for start_m in range(m_start, q_last + 1, BLOCK_M):
             rows = start_m + offs_m
             row_mask = rows < n_queries
-            lo = tl.load(LO + rows, mask=row_mask, other=0).to(tl.int64)
-            hi = tl.load(HI + rows, mask=row_mask, other=-1).to(tl.int64)
-            q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
+            rows64 = rows.to(tl.int64)
+            lo = tl.load(LO + rows64, mask=row_mask, other=0)
+            hi = tl.load(HI + rows64, mask=row_mask, other=-1)
+            q = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
                         mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
-            do = tl.load(DO + b * stride_dob + rows[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
+            do = tl.load(DO + b * stride_dob + rows64[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
                          mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
-            lse2 = tl.load(LSE2 + b * stride_lb + rows * stride_lt + h, mask=row_mask, other=0.0)
-            delta = tl.load(DELTA + b * stride_lb + rows * stride_lt + h, mask=row_mask, other=0.0)
+            lse2 = tl.load(LSE2 + b * stride_lb + rows64 * stride_lt + h, mask=row_mask, other=0.0)
+            delta = tl.load(DELTA + b * stride_lb + rows64 * stride_lt + h, mask=row_mask, other=0.0)
             if DOT_FP32:
                 sT = tl.dot(k, tl.trans(q.to(tl.float32)), input_precision=INPUT_PRECISION)
                 dpT = tl.dot(v, tl.trans(do.to(tl.float32)), input_precision=INPUT_PRECISION)
@@ -160,9 +162,9 @@ def _range_attention_dkdv_kernel(
                 dval += tl.dot(pT.to(do.dtype), do)
                 dkey += tl.dot(dsT.to(q.dtype), q)
     dkey = dkey * scale
-    tl.store(DKEY + b * stride_kb + keys[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
+    tl.store(DKEY + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
              dkey.to(DKEY.dtype.element_ty), mask=key_ok[:, None] & dk_mask[None, :])
-    tl.store(DVAL + b * stride_vb + keys[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+    tl.store(DVAL + b * stride_vb + keys64[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
              dval.to(DVAL.dtype.element_ty), mask=key_ok[:, None] & dv_mask[None, :])
 
 

@@ -53,8 +53,9 @@ def _range_attention_fwd_kernel(
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
 
-    lo = tl.load(LO + offs_m, mask=row_mask, other=0).to(tl.int64)
-    hi = tl.load(HI + offs_m, mask=row_mask, other=-1).to(tl.int64)
+    # ranges and key indices in int32 (keys < 2^31; masks stay cheap in registers), pointer offsets in int64
+    lo = tl.load(LO + offs_m, mask=row_mask, other=0)
+    hi = tl.load(HI + offs_m, mask=row_mask, other=-1)
     reads = row_mask & (hi >= lo)
     first = tl.min(tl.where(reads, lo, n_keys), 0)
     last = tl.max(tl.where(reads, hi, -1), 0)
@@ -74,7 +75,7 @@ def _range_attention_fwd_kernel(
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
-        kT = tl.load(k_base + keys[None, :] * stride_kt + offs_dk[:, None],
+        kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk[:, None],
                      mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
         if DOT_FP32:
             s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
@@ -87,7 +88,7 @@ def _range_attention_fwd_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if WITH_OUTPUT:
-            v = tl.load(v_base + keys[:, None] * stride_vt + offs_dv[None, :],
+            v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vt + offs_dv[None, :],
                         mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
             acc = acc * alpha[:, None]
             if DOT_FP32:  # P enters the dot rounded to the input dtype, as on the GPU (a no-op for fp32)

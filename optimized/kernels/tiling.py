@@ -183,13 +183,25 @@ class RangeTiling:
             raise ValueError(f"RangeTiling.block_m must be a power of two >= {MIN_DOT}, got {self.block_m}")
 
 
-RANGE_KINDS = ("forward", "dq", "dkdv", "scores")
+RANGE_KINDS = ("forward", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
+
+
+# (largest BLOCK_DK + BLOCK_DV, (block_m, block_n, num_warps)) per kernel, half precision: the widest tiles that
+# compile for sm_90 without spilling, or with the least (cuobjdump -res-usage of triton.compile for
+# GPUTarget("cuda", 90, 32), Triton 3.7; perf/NOTES.md lists the survey). dk/dv: block_m = query rows per step,
+# block_n = key rows per program.
+_RANGE_TABLE = {
+    "forward": ((128, (128, 64, 8)), (256, (64, 32, 4)), (384, (128, 64, 8)), (512, (64, 32, 8))),
+    "dq": ((128, (64, 32, 4)), (256, (64, 32, 4)), (384, (32, 32, 4)), (512, (32, 32, 8))),
+    "dkdv": ((128, (64, 32, 8)), (256, (64, 32, 8)), (384, (64, 32, 8)), (512, (32, 16, 8))),
+    "scores": ((128, (64, 64, 4)), (256, (64, 64, 8)), (384, (64, 32, 8)), (512, (64, 32, 8))),
+}
 
 
 def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:
-    """Heuristic launch of one range-attention kernel. Half precision: 128 x 64 tiles up to d = 128 (the
-    FlashAttention-2 shapes), 64 x 32 for wider heads; fp32 (exact fp32 dots on CUDA cores): 64 x 32, one stage;
-    in Triton's interpreter: 16 x 16 (tests keep T small, and several tiles must still be exercised)."""
+    """Heuristic launch of one range-attention kernel (_RANGE_TABLE for half precision, two pipeline stages);
+    fp32 (exact fp32 dots on CUDA cores): 64 x 32 tiles, one stage; in Triton's interpreter: 16 x 16 (tests keep
+    T small, and several tiles must still be exercised)."""
     if kind not in RANGE_KINDS:
         raise ValueError(f"range_tiling kind must be one of {RANGE_KINDS}, got {kind!r}")
     if interpreting():
@@ -198,12 +210,9 @@ def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) ->
     if torch.finfo(dtype).bits > 16:
         return RangeTiling(block_m=64, block_n=32 if width <= 128 else 16, num_warps=4 if width <= 64 else 8,
                            num_stages=1)
-    wide = width > 128
-    if kind == "forward":
-        return RangeTiling(block_m=64 if wide else 128, block_n=32 if wide else 64, num_warps=8, num_stages=2)
-    if kind == "scores":  # the head loop keeps one q tile and the summed P tile live
-        return RangeTiling(block_m=64, block_n=32 if wide else 64, num_warps=4 if width <= 64 else 8, num_stages=2)
-    return RangeTiling(block_m=32 if wide else 64, block_n=32 if wide else 64, num_warps=8, num_stages=2)
+    total = block_dk + block_dv
+    block_m, block_n, warps = next(tile for limit, tile in _RANGE_TABLE[kind] if total <= limit)
+    return RangeTiling(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=2)
 
 
 def smaller_range_tilings(tiling: RangeTiling) -> list[RangeTiling]:
