@@ -8,6 +8,10 @@ back), dP = dO V^T, dS = P * (dP - delta), and
   reach the tile: dv = P^T dO, dk = dS^T q. Ranges are non-decreasing in the row (checked by the wrapper), so
   the rows reading a key tile [k0, k1] are the contiguous run first(hi >= k0) .. last(lo <= k1), found once per
   tile by searchsorted. Each key's gradient is summed by one program in a fixed order: no atomics.
+  fp32 inputs (COMPENSATED): the exact fp32 dots are sequential FMA chains, and `acc += dot(a, b)` would fuse the
+  accumulator into one chain over every (query, head) term of a key (a compressed key is read by every later
+  query of all the group's heads); each step's dot is added with Kahan compensation instead (as the selected
+  kernel's dk/dv), which the first H100 run showed is needed (dk/dv error ratios up to 4.5 without it).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .selected_attention_bwd import _compensated_add
 from .selected_attention_fwd import LOG2E, dot_settings
 from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
 
@@ -104,7 +109,7 @@ def _range_attention_dkdv_kernel(
     n_queries, n_keys, scale_log2, scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
 ):
     pid_n = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -132,6 +137,8 @@ def _range_attention_dkdv_kernel(
 
     dkey = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dval = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dkey_comp = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
+    dval_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(GROUP):
         h = kvh * GROUP + g
         for start_m in range(m_start, q_last + 1, BLOCK_M):
@@ -155,13 +162,19 @@ def _range_attention_dkdv_kernel(
             in_range = (keys[:, None] >= lo[None, :]) & (keys[:, None] <= hi[None, :])
             pT = tl.where(in_range, tl.exp2(sT * scale_log2 - lse2[None, :]), 0.0)
             dsT = pT * (dpT - delta[None, :])
-            if DOT_FP32:  # P and dS enter the dots rounded to the input dtype, as on the GPU
+            if COMPENSATED:  # fp32: each step's dot on its own, then a Kahan add (module docstring)
+                dval, dval_comp = _compensated_add(dval, dval_comp, tl.dot(pT, do.to(tl.float32),
+                                                                           input_precision=INPUT_PRECISION))
+                dkey, dkey_comp = _compensated_add(dkey, dkey_comp, tl.dot(dsT, q.to(tl.float32),
+                                                                           input_precision=INPUT_PRECISION))
+            elif DOT_FP32:  # P and dS enter the dots rounded to the input dtype, as on the GPU
                 dval += tl.dot(pT.to(do.dtype).to(tl.float32), do.to(tl.float32), input_precision=INPUT_PRECISION)
                 dkey += tl.dot(dsT.to(q.dtype).to(tl.float32), q.to(tl.float32), input_precision=INPUT_PRECISION)
             else:
                 dval += tl.dot(pT.to(do.dtype), do)
                 dkey += tl.dot(dsT.to(q.dtype), q)
-    dkey = dkey * scale
+    dkey = (dkey - dkey_comp) * scale
+    dval = dval - dval_comp
     tl.store(DKEY + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
              dkey.to(DKEY.dtype.element_ty), mask=key_ok[:, None] & dk_mask[None, :])
     tl.store(DVAL + b * stride_vb + keys64[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
@@ -209,7 +222,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         q_first, q_last = reading_rows(lo, hi, TK, t.block_n)
         _range_attention_dkdv_kernel[(triton.cdiv(TK, t.block_n), Hkv, B)](
             q, k, v, lo, hi, do, lse2, delta, dkey, dval, q_first, q_last, *strides,
-            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, COMPENSATED=q.dtype == torch.float32,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
 
     first = dq_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dq")
