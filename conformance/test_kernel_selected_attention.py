@@ -514,7 +514,7 @@ def test_packed_inverted_index_keys_blocks_by_document() -> None:
     (torch.zeros(8), "int32/int64"),
 ])
 def test_packed_bad_doc_start_raises_value_error(starts, match: str) -> None:
-    q, k, v = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4)
-    idx = torch.zeros(1, 8, 1, 2, dtype=torch.int64)
+    q, k, v = (torch.randn(shape).to(DEVICE) for shape in ((1, 8, 2, 4), (1, 8, 1, 4), (1, 8, 1, 4)))
+    idx = torch.zeros(1, 8, 1, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=match):
-        triton_selected_attention(q, k, v, idx, 4, doc_start=starts)
+        triton_selected_attention(q, k, v, idx, 4, doc_start=starts.to(DEVICE))

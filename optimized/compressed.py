@@ -84,14 +84,14 @@ def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAC
 def compressed_attention_kernel_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, positions: Tensor,
                                      docs: Documents | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Compressed branch on the range-attention kernel for queries q [B, TQ, Hq, dk] at positions [TQ]:
-    (o_cmp [B, TQ, Hq, dv] in q's dtype, lse [B, TQ, Hq] fp32 (the Eq. 8 normaliser; -inf without a visible
-    block), reads [B, TQ, Hkv] = the visible compressed tokens each query's range covers). k_cmp/v_cmp are cast
-    to q's dtype (differentiably), as compress() returns them."""
-    from .kernels import triton_range_attention
+    (o_cmp [B, TQ, Hq, dv] in q's dtype, lse2 [B, TQ, Hq] fp32, the base-2 log-sum-exp (the Eq. 8 normaliser;
+    -inf without a visible block), reads [B, TQ, Hkv] = the visible compressed tokens each query's range
+    covers). k_cmp/v_cmp are cast to q's dtype (differentiably), as compress() returns them."""
+    from .kernels import range_attention_lse2
 
     lo, hi = compressed_ranges(positions, k_cmp.shape[1], cfg, docs)
-    o, lse = triton_range_attention(q, k_cmp.to(q.dtype), v_cmp.to(q.dtype), lo, hi)
-    return o, lse, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
+    o, lse2 = range_attention_lse2(q, k_cmp.to(q.dtype), v_cmp.to(q.dtype), lo, hi)
+    return o, lse2, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,

@@ -96,10 +96,10 @@ def _nsa_forward_rows_on_kernels(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NS
     cd = compute_dtype(q.dtype)
     k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v, cfg, phi, docs=docs)
     k_cmp, v_cmp = k_cmp.to(q.dtype), v_cmp.to(q.dtype)
-    o_cmp, lse_cmp, reads_cmp = compressed_attention_kernel_rows(q, k_cmp, v_cmp, cfg, positions, docs)
+    o_cmp, lse2_cmp, reads_cmp = compressed_attention_kernel_rows(q, k_cmp, v_cmp, cfg, positions, docs)
     if indices is None:
         indices = selection_indices(q, k_cmp, cfg, positions=positions, n_keys=kv.win.k.shape[1],
-                                    chunk_size=chunk_size, docs=docs, range_backend="triton", lse=lse_cmp)
+                                    chunk_size=chunk_size, docs=docs, range_backend="triton", lse2=lse2_cmp)
     o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions, backend=backend,
                                                chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype, docs=docs)
     o_win, reads_win = window_attention_kernel_rows(q, kv.win.k, kv.win.v, cfg, positions, docs)

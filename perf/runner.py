@@ -179,7 +179,10 @@ class Runner:
             row.selected_tokens = prepared.token_count
             skipped = False
             for done_warmups in range(spec.warmup):
-                if self._skip(row, estimate, spec.warmup - done_warmups + timed_calls, "measured"):
+                # The build's first call includes compilation and autotuning: before the first warm-up only that
+                # one call is judged; the calls after it are judged by the warm-up's own time.
+                calls = 1 if done_warmups == 0 else spec.warmup - done_warmups + timed_calls
+                if self._skip(row, estimate, calls, "measured"):
                     skipped = True
                     break
                 estimate = self.timer.wall_once(prepared.run)

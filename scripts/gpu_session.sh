@@ -6,13 +6,15 @@
 #
 #   bash scripts/gpu_session.sh checks [seconds]   conformance-gpu (nox, fp32 + bf16), then the kernel tests and
 #                                                  the parity suite's range-kernel runs (pytest-xdist)
+#   bash scripts/gpu_session.sh range [seconds]    only the range-kernel and packed-kernel tests and the parity
+#                                                  suite's range-kernel runs (after a kernel change)
 #   bash scripts/gpu_session.sh perf [seconds]     perf sweep of SDPA, nsa (torch path) and nsa[range_backend=triton]:
 #                                                  packed documents, then the single sequence, one results folder
 #
 # COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
-# `tar xzf gpu_session.tgz -C <dir>`; reports/README.md says where each file is committed.
+# `tar xzf gpu_session-<mode>.tgz -C <dir>`; reports/README.md says where each file is committed.
 set -u
-MODE=${1:?usage: gpu_session.sh checks|perf [seconds]}
+MODE=${1:?usage: gpu_session.sh checks|range|perf [seconds]}
 BUDGET=${2:-400}
 REAL_OUT=${OUT:?OUT must name the folder whose files come back}
 STAGE=$(mktemp -d)
@@ -20,7 +22,7 @@ export PYTHONUNBUFFERED=1
 STARTED=$(date +%s)
 
 pack() {
-  tar czf "$REAL_OUT/.gpu_session.tgz" -C "$STAGE" . && mv "$REAL_OUT/.gpu_session.tgz" "$REAL_OUT/gpu_session.tgz"
+  tar czf "$REAL_OUT/.gpu_session-$MODE.tgz" -C "$STAGE" . && mv "$REAL_OUT/.gpu_session-$MODE.tgz" "$REAL_OUT/gpu_session-$MODE.tgz"
 }
 left() { echo $((BUDGET - ($(date +%s) - STARTED))); }
 
@@ -50,6 +52,16 @@ case "$MODE" in
     echo "exit $?" >> "$STAGE/kernel_and_parity_tests.log"
     pack
     ;;
+  range)
+    OUT=$STAGE NSA_REPORT_DIR=$STAGE/reports/parity timeout -k 15 $(( $(left) - 20 )) \
+      python3 -m pytest -v --tb=short -rfE --durations=15 -p no:cacheprovider -n 8 \
+      conformance/test_kernel_range_attention.py conformance/test_kernel_range_attention_gpu.py \
+      conformance/test_kernel_selected_attention.py conformance/test_parity_gpu.py \
+      -k "test_kernel_range_attention or (test_kernel_selected_attention and packed) or (test_parity_gpu and range and not 8192)" \
+      > "$STAGE/range_tests.log" 2>&1
+    echo "exit $?" >> "$STAGE/range_tests.log"
+    pack
+    ;;
   perf)
     # A fresh sweep: the default torch path (nsa), the range kernels and SDPA, all in this run, so every ratio in
     # the report compares rows of one run. Packed documents first (short: the whole layer only, 8k-64k), then the
@@ -67,7 +79,7 @@ case "$MODE" in
     pack
     ;;
   *)
-    echo "unknown mode $MODE (checks | perf)" >&2
+    echo "unknown mode $MODE (checks | range | perf)" >&2
     exit 2
     ;;
 esac

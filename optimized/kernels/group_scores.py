@@ -97,12 +97,12 @@ def _group_scores_kernel(
         tl.store(p_base + t_r[:, None] * stride_pt + cols.to(tl.int64), total, mask=out_mask)
 
 
-def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse: Tensor | None, width: int, scale: float,
+def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor | None, width: int, scale: float,
                  *, logits: bool = False, tiling: RangeTiling | None = None) -> Tensor:
     """P [B, TQ, Hkv, width] fp32 (zeros past each row's range) for queries q [B, TQ, Hq, dk] over the compressed
     tokens k_cmp [B, N, Hkv, dk], row t reading [lo[t], hi[t]] (int32 [TQ], non-decreasing, as
-    range_attention.check_range_inputs validates; hi - lo < width). lse [B, TQ, Hq] natural-log log-sum-exp of
-    the compressed branch (range_logsumexp / triton_range_attention), unused with logits=True."""
+    range_attention.check_range_inputs validates; hi - lo < width). lse2 [B, TQ, Hq]: the compressed branch's
+    base-2 log-sum-exp (range_attention_lse2 / range_logsumexp2), unused with logits=True."""
     B, TQ, Hq, dk = q.shape
     N, Hkv = k_cmp.shape[1], k_cmp.shape[2]
     group = Hq // Hkv
@@ -110,8 +110,7 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse: Tensor |
     if B * TQ * Hkv == 0 or width == 0 or N == 0:
         return out
     q, k_cmp = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cmp))
-    lse2 = torch.zeros((B, TQ, Hq), device=q.device, dtype=torch.float32) if logits else \
-        (lse.float() * LOG2E).contiguous()
+    lse2 = torch.zeros((B, TQ, Hq), device=q.device, dtype=torch.float32) if logits else lse2.float().contiguous()
     dot_fp32, precision = dot_settings(q.dtype)
     group_pad = triton.next_power_of_2(group)
 

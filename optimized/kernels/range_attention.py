@@ -23,19 +23,19 @@ RANGE_DTYPES = (torch.int32, torch.int64)
 
 
 class RangeAttentionFunction(torch.autograd.Function):
-    """(o, lse) of Eq. 2 over each row's key range; gradients for q, k, v (lse is not differentiable)."""
+    """(o, lse2) of Eq. 2 over each row's key range, lse2 the base-2 log-sum-exp of the scaled logits; gradients
+    for q, k, v (lse2 is not differentiable)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float):
         o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
         ctx.save_for_backward(q, k, v, lo, hi, o, lse2)
         ctx.scale = scale
-        lse = lse2 * LN2
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+        ctx.mark_non_differentiable(lse2)
+        return o, lse2
 
     @staticmethod
-    def backward(ctx, do: Tensor, _dlse: Tensor):
+    def backward(ctx, do: Tensor, _dlse2: Tensor):
         q, k, v, lo, hi, o, lse2 = ctx.saved_tensors
         dq, dk, dv = range_attention_backward(q, k, v, lo, hi, o, lse2, do.contiguous(), ctx.scale)
         return dq, dk, dv, None, None, None
@@ -53,6 +53,14 @@ def triton_range_attention(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tens
     1/sqrt(dk). fp32/bf16/fp16 inputs (all the same), fp32 accumulation; fp32 dots are exact fp32 (no TF32).
     Tensors must be on CUDA, or on CPU with TRITON_INTERPRET=1 set before the kernels were imported.
     """
+    o, lse2 = range_attention_lse2(q, k, v, lo, hi, scale)
+    return o, lse2 * LN2
+
+
+def range_attention_lse2(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
+                         scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """triton_range_attention with the normaliser as the kernel keeps it: (o, lse2), lse2 = lse * log2(e) (the
+    base-2 log-sum-exp), which the group-scores kernel takes as it is (no rounding round trip)."""
     lo, hi = check_range_inputs(q, k, v, lo, hi)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -60,15 +68,19 @@ def triton_range_attention(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tens
     return RangeAttentionFunction.apply(q, k, v, lo, hi, float(scale))
 
 
-def range_logsumexp(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float | None = None) -> Tensor:
-    """lse [B, TQ, Hq] (natural log, fp32, -inf for an empty row) of the scaled logits over each row's key
+def range_logsumexp2(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float | None = None) -> Tensor:
+    """lse2 [B, TQ, Hq] (base-2 log-sum-exp of the scaled logits, fp32, -inf for an empty row) over each row's key
     range, without the P.V product (the selection scoring's Eq. 8 normaliser); not differentiable."""
     lo, hi = check_range_inputs(q, k, None, lo, hi)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
-    _, lse2 = range_attention_forward(q.detach(), k.detach(), None, lo, hi, float(scale))
-    return lse2 * LN2
+    return range_attention_forward(q.detach(), k.detach(), None, lo, hi, float(scale))[1]
+
+
+def range_logsumexp(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float | None = None) -> Tensor:
+    """range_logsumexp2 in natural-log units: lse [B, TQ, Hq] as triton_range_attention returns it."""
+    return range_logsumexp2(q, k, lo, hi, scale) * LN2
 
 
 def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:

@@ -106,13 +106,18 @@ def _range_attention_dkdv_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
     stride_lb, stride_lt,
-    n_queries, n_keys, scale_log2, scale,
+    stride_dks, stride_dkb, stride_dkt, stride_dkh,
+    stride_dvs, stride_dvb, stride_dvt, stride_dvh,
+    n_queries, n_keys, scale_log2, scale, n_split,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
 ):
+    # program (key tile, KV head x split part, batch): part `split` of the key tile's reading rows, written to
+    # slot `split` of DKEY/DVAL (the fp32 workspace when n_split > 1, summed by the wrapper in a fixed order)
     pid_n = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64) // n_split
+    split = tl.program_id(1) % n_split
     b = tl.program_id(2).to(tl.int64)
 
     keys = pid_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 indices, int64 pointer offsets
@@ -133,7 +138,10 @@ def _range_attention_dkdv_kernel(
         v = v.to(tl.float32)
     q_first = tl.load(QFIRST + pid_n)
     q_last = tl.load(QLAST + pid_n)
-    m_start = (q_first // BLOCK_M) * BLOCK_M
+    aligned = (q_first // BLOCK_M) * BLOCK_M
+    tiles_per_part = tl.cdiv(tl.cdiv(tl.maximum(q_last + 1 - aligned, 0), BLOCK_M), n_split)
+    m_start = aligned + split * tiles_per_part * BLOCK_M
+    m_stop = tl.minimum(q_last + 1, m_start + tiles_per_part * BLOCK_M)
 
     dkey = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dval = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -141,7 +149,7 @@ def _range_attention_dkdv_kernel(
     dval_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(GROUP):
         h = kvh * GROUP + g
-        for start_m in range(m_start, q_last + 1, BLOCK_M):
+        for start_m in range(m_start, m_stop, BLOCK_M):
             rows = start_m + offs_m
             row_mask = rows < n_queries
             rows64 = rows.to(tl.int64)
@@ -175,10 +183,10 @@ def _range_attention_dkdv_kernel(
                 dkey += tl.dot(dsT.to(q.dtype), q)
     dkey = (dkey - dkey_comp) * scale
     dval = dval - dval_comp
-    tl.store(DKEY + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
-             dkey.to(DKEY.dtype.element_ty), mask=key_ok[:, None] & dk_mask[None, :])
-    tl.store(DVAL + b * stride_vb + keys64[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-             dval.to(DVAL.dtype.element_ty), mask=key_ok[:, None] & dv_mask[None, :])
+    tl.store(DKEY + split.to(tl.int64) * stride_dks + b * stride_dkb + keys64[:, None] * stride_dkt + kvh * stride_dkh
+             + offs_dk[None, :], dkey.to(DKEY.dtype.element_ty), mask=key_ok[:, None] & dk_mask[None, :])
+    tl.store(DVAL + split.to(tl.int64) * stride_dvs + b * stride_dvb + keys64[:, None] * stride_dvt + kvh * stride_dvh
+             + offs_dv[None, :], dval.to(DVAL.dtype.element_ty), mask=key_ok[:, None] & dv_mask[None, :])
 
 
 def reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tuple[Tensor, Tensor]:
@@ -191,10 +199,26 @@ def reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tuple[Ten
     return first.to(torch.int32), last.to(torch.int32)
 
 
+DKDV_PROGRAMS = 1024  # the dk/dv launch splits rows until it has about this many programs (132 SMs x ~8)
+MAX_DKDV_SPLIT = 32
+
+
+def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block_m: int) -> int:
+    """Parts the reading rows of each key tile are split into: 1 when key tiles x KV heads x batch already fill the
+    GPU (the window); more when few key tiles each take many rows (the compressed branch: T/d keys, each read by
+    every later query), so the long per-tile loops run side by side instead of on a few SMs."""
+    programs = max(1, n_key_tiles * n_kv_heads * batch)
+    row_tiles = max(1, -(-n_rows // block_m))
+    return max(1, min(MAX_DKDV_SPLIT, -(-DKDV_PROGRAMS // programs), row_tiles))
+
+
 def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
                              do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
-                             dkdv_tiling: RangeTiling | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous)."""
+                             dkdv_tiling: RangeTiling | None = None,
+                             split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
+    split: parts of each key tile's reading rows (default dkdv_split); with more than one, each part's fp32 dk/dv
+    go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic)."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dq = torch.empty_like(q)
@@ -218,15 +242,27 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
             TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
 
-    def launch_dkdv(t: RangeTiling) -> None:
+    def launch_dkdv(t: RangeTiling) -> tuple[Tensor, Tensor]:
         q_first, q_last = reading_rows(lo, hi, TK, t.block_n)
-        _range_attention_dkdv_kernel[(triton.cdiv(TK, t.block_n), Hkv, B)](
-            q, k, v, lo, hi, do, lse2, delta, dkey, dval, q_first, q_last, *strides,
-            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, COMPENSATED=q.dtype == torch.float32,
-            num_warps=t.num_warps, num_stages=t.num_stages, **common)
+        n_tiles = triton.cdiv(TK, t.block_n)
+        parts = split or dkdv_split(n_tiles, Hkv, B, TQ, t.block_m)
+        if parts == 1:
+            out_k, out_v = dkey[None], dval[None]
+        else:
+            out_k = torch.empty((parts, B, TK, Hkv, dk), device=k.device, dtype=torch.float32)
+            out_v = torch.empty((parts, B, TK, Hkv, dv), device=v.device, dtype=torch.float32)
+        _range_attention_dkdv_kernel[(n_tiles, Hkv * parts, B)](
+            q, k, v, lo, hi, do, lse2, delta, out_k, out_v, q_first, q_last, *strides,
+            *out_k.stride()[:4], *out_v.stride()[:4],
+            TQ, TK, scale * LOG2E, scale, parts, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            COMPENSATED=q.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages, **common)
+        return out_k, out_v
 
     first = dq_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dq")
     launch_with_fallback(launch_dq, first, smaller_range_tilings(first))
     first = dkdv_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dkdv")
-    launch_with_fallback(launch_dkdv, first, smaller_range_tilings(first))
+    out_k, out_v = launch_with_fallback(launch_dkdv, first, smaller_range_tilings(first))
+    if out_k.shape[0] > 1:
+        dkey.copy_(out_k.sum(dim=0))
+        dval.copy_(out_v.sum(dim=0))
     return dq, dkey, dval
