@@ -306,16 +306,18 @@ def test_gpu_launch_table_covers_every_kernel_and_width(monkeypatch: pytest.Monk
         range_tiling(64, 64, torch.bfloat16, "backward")
 
 
-@pytest.mark.parametrize("split", [2, 5])
-def test_dkdv_split_over_rows_matches_the_oracle(split: int, poisoned_empty: None) -> None:
+@pytest.mark.parametrize("split, consistent_d", [(1, False), (2, True), (5, True), (5, False)])
+def test_dkdv_split_over_rows_matches_the_oracle(split: int, consistent_d: bool, poisoned_empty: None) -> None:
     """The compressed branch's few key tiles split their reading rows over several programs (fp32 workspace,
-    summed in a fixed order): the same gradients as the dense oracle, every key written, deterministic."""
+    summed in a fixed order): the same gradients as the dense oracle, every key written, deterministic; with D
+    from rowsum(dO * O) (half precision's) or made consistent in the dq pass (fp32's)."""
     lo, hi, n_keys = ranges_of("compressed-packed", 45)
     lo32, hi32 = lo.to(torch.int32).to(DEVICE), hi.to(torch.int32).to(DEVICE)
     q, k, v = random_inputs(1, 45, n_keys, 6, 2, 12, 8, seed=9)
     o, lse2 = range_attention_forward(q, k, v, lo32, hi32, 0.25)
     do = torch.randn_like(o)
-    runs = [range_attention_backward(q, k, v, lo32, hi32, o, lse2, do, 0.25, split=split) for _ in range(2)]
+    runs = [range_attention_backward(q, k, v, lo32, hi32, o, lse2, do, 0.25, split=split, consistent_d=consistent_d)
+            for _ in range(2)]
     leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
     exact = torch.autograd.grad(range_attention_naive(*leaves, lo, hi, scale=0.25)[0], leaves, do.double())
     for label, got, again, ref in zip(("dq", "dk", "dv"), *runs, exact):

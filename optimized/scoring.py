@@ -149,20 +149,18 @@ def _kernel_scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, 
     return scores
 
 
-def _score_chunk_size(q: Tensor, n_columns: int, n_sel_blocks: int, chunk_size: int | None,
-                      heads: int) -> int:
-    """Query rows per scoring chunk: chunk_size, or as many as keep a chunk's temporaries within CHUNK_ELEMENTS:
-    per query head on the torch path, per KV group on the kernel path (its per-head probabilities stay on chip)."""
+def _score_chunk_size(q: Tensor, n_columns: int, n_sel_blocks: int, chunk_size: int | None) -> int:
+    """Query rows per scoring chunk: chunk_size, or as many as keep the torch path's per-head temporaries within
+    CHUNK_ELEMENTS. The kernel path holds 1/group of that (one column set per KV group) and keeps the same chunks:
+    the H100 sweep with chunks sized per KV group (16x larger, past the 50 MB L2) measured the layer's 64k forward
+    17% slower than the sweep before it; the chunk size is the likeliest of that commit's changes (not bisected;
+    perf/NOTES.md, runs of 2026-11-25)."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of query positions, got {chunk_size}")
         return chunk_size
-    return max(1, CHUNK_ELEMENTS // max(1, q.shape[0] * heads * (n_columns + n_sel_blocks)))
-
-
-def _score_heads(cfg: NSAConfig, range_backend: str) -> int:
-    """Score columns sets a query row holds at once: one per query head (torch), one per KV group (kernel)."""
-    return cfg.n_heads if range_backend == "torch" else cfg.n_kv_heads
+    B, _, Hq, _ = q.shape
+    return max(1, CHUNK_ELEMENTS // max(1, B * Hq * (n_columns + n_sel_blocks)))
 
 
 def _scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
@@ -196,8 +194,7 @@ def selection_scores_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: T
     out = torch.empty((B, TQ, cfg.n_kv_heads, n_sel_blocks), dtype=dtype, device=q.device)
     scores = _scorer(q, k_cmp, cfg, positions, n_sel_blocks, docs, range_backend)
     n_columns = _score_columns(k_cmp.shape[1], docs)
-    heads = _score_heads(cfg, range_backend)
-    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size, heads)):
+    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):
         out[:, q0:q1] = scores(q0, q1)
     return out
 
@@ -278,8 +275,7 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
     scores = _scorer(q, k_cmp.detach(), cfg, positions, n_sel_blocks, docs, range_backend, lse2)
     n_columns = _score_columns(k_cmp.shape[1], docs)
-    heads = _score_heads(cfg, range_backend)
-    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size, heads)):
+    for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):
         out[:, q0:q1] = select_blocks_rows(scores(q0, q1), cfg, positions[q0:q1], docs)
     return out
 

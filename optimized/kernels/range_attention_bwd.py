@@ -12,6 +12,13 @@ back), dP = dO V^T, dS = P * (dP - delta), and
   accumulator into one chain over every (query, head) term of a key (a compressed key is read by every later
   query of all the group's heads); each step's dot is added with Kahan compensation instead (as the selected
   kernel's dk/dv), which the first H100 run showed is needed (dk/dv error ratios up to 4.5 without it).
+  And D is made consistent with the kernel's own P and dP (CONSISTENT_D, as the selected kernel's dq does):
+  FlashAttention-2's D = rowsum(dO * O) differs from sum_s P_s dP_s by the rounding of O and of P, so a row's
+  dS does not sum to 0 and every key of the row inherits a shared bias, which a shift-invariant parameter (phi's
+  b2, added to every compressed key) sums up: the second H100 run measured d(phi_k.b2) error ratios of 1.1-1.3
+  at fp32. The dq kernel accumulates sum P, sum P (dP - D0) and sum P k in its pass, corrects dq to
+  D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. Half precision keeps D0 (its error
+  ratios are far below 1, and the extra P k accumulator would cost registers).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ def _range_attention_dq_kernel(
     n_queries, n_keys, scale_log2, scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, CONSISTENT_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -73,6 +80,9 @@ def _range_attention_dq_kernel(
     v_base = V + b * stride_vb + kvh * stride_vh
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
+    sum_p = tl.zeros([BLOCK_M], dtype=tl.float32)  # CONSISTENT_D: sum P, sum P (dP - D0), sum P k
+    shift = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pk = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
@@ -93,6 +103,14 @@ def _range_attention_dq_kernel(
             dq += tl.dot(ds.to(k.dtype).to(tl.float32), k.to(tl.float32), input_precision=INPUT_PRECISION)
         else:
             dq += tl.dot(ds.to(k.dtype), k)
+        if CONSISTENT_D:
+            sum_p += tl.sum(p, 1)
+            shift += tl.sum(ds, 1)
+            pk += tl.dot(p, k.to(tl.float32), input_precision=INPUT_PRECISION)
+    if CONSISTENT_D:
+        d_row = delta * sum_p + shift  # = sum_s P_s dP_s with this kernel's P and dP
+        dq = dq - (d_row - delta)[:, None] * pk
+        tl.store(DELTA + b * stride_lb + offs_m * stride_lt + h, d_row, mask=row_mask)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_mask[:, None] & dk_mask[None, :])
@@ -214,11 +232,12 @@ def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block
 
 def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
                              do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
-                             dkdv_tiling: RangeTiling | None = None,
-                             split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                             dkdv_tiling: RangeTiling | None = None, split: int | None = None,
+                             consistent_d: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
     split: parts of each key tile's reading rows (default dkdv_split); with more than one, each part's fp32 dk/dv
-    go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic)."""
+    go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic).
+    consistent_d: D = sum P dP from the dq pass instead of rowsum(dO * O) (module docstring); default: fp32."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dq = torch.empty_like(q)
@@ -228,7 +247,9 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         return dq.zero_(), dkey, dval
     if TQ == 0:
         return dq, dkey.zero_(), dval.zero_()
-    delta = (do.float() * o.float()).sum(dim=-1).contiguous()  # FlashAttention-2's D = rowsum(dO * O)
+    delta = (do.float() * o.float()).sum(dim=-1).contiguous()  # FlashAttention-2's D0 = rowsum(dO * O)
+    if consistent_d is None:
+        consistent_d = q.dtype == torch.float32  # the dq kernel replaces D0 by sum P dP (module docstring)
     dot_fp32, precision = dot_settings(q.dtype)
     common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
                   INPUT_PRECISION=precision)
@@ -239,7 +260,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     def launch_dq(t: RangeTiling) -> None:
         _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m), Hq, B)](
             q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CONSISTENT_D=consistent_d,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
 
     def launch_dkdv(t: RangeTiling) -> tuple[Tensor, Tensor]:
