@@ -137,7 +137,9 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
         for impl, axes in zip(nsa, grid):
             for ax, pass_name in zip(axes, PASSES):
                 xs = list(range(len(seq_lens)))
-                times = {stage: [getattr(idx.get((T, impl, stage, pass_name)), "median_ms", 0.0) for T in seq_lens]
+                # a T whose stages were not all measured gets no bar (shares of a partial sum would mislead)
+                missing = {T: [s for s in NSA_STAGES if (T, impl, s, pass_name) not in idx] for T in seq_lens}
+                times = {stage: [0.0 if missing[T] else idx[(T, impl, stage, pass_name)].median_ms for T in seq_lens]
                          for stage in NSA_STAGES}
                 totals = [sum(times[s][i] for s in NSA_STAGES) for i in xs]
                 bottoms = [0.0] * len(xs)
@@ -147,8 +149,9 @@ def plot_all(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
                     bottoms = [b + h for b, h in zip(bottoms, shares)]
                 for x, T, total in zip(xs, seq_lens, totals):
                     layer = idx.get((T, impl, LAYER, pass_name))
-                    text = f"sum {_ms(total)} ms" + (f"\nlayer {_ms(layer.median_ms)} ms" if layer else "")
-                    ax.text(x, 101, text, ha="center", va="bottom", fontsize=7)
+                    text = ("not measured:\n" + "\n".join(missing[T])) if missing[T] else f"sum {_ms(total)} ms"
+                    text += f"\nlayer {_ms(layer.median_ms)} ms" if layer else ""
+                    ax.text(x, 101 if not missing[T] else 2, text, ha="center", va="bottom", fontsize=6)
                 ax.set_ylim(0, 118)
                 ax.set_xticks(xs)
                 ax.set_xticklabels([_t(t) for t in seq_lens])
