@@ -36,19 +36,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.empty returns NaN-filled float tensors, so an output element the kernels never write stays NaN."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    monkeypatch.setattr(torch, "empty", empty)
-
 
 def perturbed_indices(case: Case, seed: int) -> torch.Tensor:
     """Valid random indices plus edge cases: some (query, group) sets empty, some padding slots holding a
