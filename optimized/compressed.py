@@ -15,8 +15,7 @@ from . import masks
 from .checks import check_branch_inputs
 from .documents import Documents, check_packed_compressed, stage_documents, visible_compressed
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
-from .ranges import compressed_ranges, range_reads
-from .scoring import check_range_backend
+from .ranges import CompressedSoftmax, check_range_backend, compressed_ranges, range_reads
 
 
 class CompressedKeyPlan:
@@ -82,16 +81,19 @@ def compressed_attention_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAC
 
 
 def compressed_attention_kernel_rows(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, positions: Tensor,
-                                     docs: Documents | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                     docs: Documents | None = None
+                                     ) -> tuple[Tensor, CompressedSoftmax, Tensor]:
     """Compressed branch on the range-attention kernel for queries q [B, TQ, Hq, dk] at positions [TQ]:
-    (o_cmp [B, TQ, Hq, dv] in q's dtype, lse2 [B, TQ, Hq] fp32, the base-2 log-sum-exp (the Eq. 8 normaliser;
-    -inf without a visible block), reads [B, TQ, Hkv] = the visible compressed tokens each query's range
-    covers). k_cmp/v_cmp are cast to q's dtype (differentiably), as compress() returns them."""
-    from .kernels import range_attention_lse2
+    (o_cmp [B, TQ, Hq, dv] in q's dtype, the CompressedSoftmax (each query's range and the base-2 log-sum-exp
+    over it, -inf without a visible block: the Eq. 8 normaliser), reads [B, TQ, Hkv] = the visible compressed
+    tokens each query's range covers). k_cmp/v_cmp are cast to q's dtype (differentiably), as compress() returns
+    them."""
+    from .kernels.range_attention import check_range_inputs, range_attention_lse2
 
-    lo, hi = compressed_ranges(positions, k_cmp.shape[1], cfg, docs)
-    o, lse2 = range_attention_lse2(q, k_cmp.to(q.dtype), v_cmp.to(q.dtype), lo, hi)
-    return o, lse2, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
+    k_low, v_low = k_cmp.to(q.dtype), v_cmp.to(q.dtype)
+    lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs))
+    o, lse2 = range_attention_lse2(q, k_low, v_low, lo, hi, checked=True)
+    return o, CompressedSoftmax(lo, hi, lse2), range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,

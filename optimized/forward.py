@@ -18,7 +18,8 @@ from .compressed import compressed_attention_kernel_rows, compressed_attention_r
 from .compression import compress_unrounded
 from .documents import Documents, documents
 from .masked_attention import compute_dtype
-from .scoring import check_range_backend, selection_indices
+from .ranges import check_range_backend
+from .scoring import selection_indices
 from .selected import check_indices, selected_attention_rows
 from .window import window_attention_kernel_rows, window_attention_rows
 
@@ -96,10 +97,11 @@ def _nsa_forward_rows_on_kernels(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NS
     cd = compute_dtype(q.dtype)
     k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v, cfg, phi, docs=docs)
     k_cmp, v_cmp = k_cmp.to(q.dtype), v_cmp.to(q.dtype)
-    o_cmp, lse2_cmp, reads_cmp = compressed_attention_kernel_rows(q, k_cmp, v_cmp, cfg, positions, docs)
+    o_cmp, cmp_softmax, reads_cmp = compressed_attention_kernel_rows(q, k_cmp, v_cmp, cfg, positions, docs)
     if indices is None:
         indices = selection_indices(q, k_cmp, cfg, positions=positions, n_keys=kv.win.k.shape[1],
-                                    chunk_size=chunk_size, docs=docs, range_backend="triton", lse2=lse2_cmp)
+                                    chunk_size=chunk_size, docs=docs, range_backend="triton",
+                                    cmp_softmax=cmp_softmax)
     o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions, backend=backend,
                                                chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype, docs=docs)
     o_win, reads_win = window_attention_kernel_rows(q, kv.win.k, kv.win.v, cfg, positions, docs)

@@ -9,6 +9,8 @@ documents included (a document's ranges start at or after the previous document'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -16,6 +18,28 @@ from reference.config import NSAConfig
 
 from . import masks
 from .documents import Documents
+
+RANGE_BACKENDS = ("torch", "triton")
+
+
+def check_range_backend(range_backend: str, dtype: torch.dtype) -> None:
+    """range_backend must be "torch" or "triton"; the Triton kernels take fp32/bf16/fp16 (not float64)."""
+    if range_backend not in RANGE_BACKENDS:
+        raise ValueError(f"range_backend must be one of {RANGE_BACKENDS}, got {range_backend!r}")
+    if range_backend == "triton" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"range_backend='triton' runs the Triton range kernels, which take fp32/bf16/fp16 inputs, "
+                         f"got {dtype}")
+
+
+@dataclass(frozen=True)
+class CompressedSoftmax:
+    """The compressed branch's softmax as the range kernel computed it: each query's range of compressed tokens
+    [lo, hi] (int32 [TQ], validated) and the base-2 log-sum-exp lse2 [B, TQ, Hq] over it. The selection scoring
+    reuses both (Eq. 8), so nsa_forward builds and checks the ranges once."""
+
+    lo: Tensor
+    hi: Tensor
+    lse2: Tensor
 
 
 def window_ranges(positions: Tensor, cfg: NSAConfig, docs: Documents | None = None) -> tuple[Tensor, Tensor]:

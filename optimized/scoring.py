@@ -25,18 +25,7 @@ from reference.config import NSAConfig
 from . import masks
 from .documents import Documents, check_packed_compressed, documents, stage_documents
 from .masked_attention import CHUNK_ELEMENTS, compute_dtype, query_chunks
-from .ranges import compressed_ranges
-
-RANGE_BACKENDS = ("torch", "triton")
-
-
-def check_range_backend(range_backend: str, dtype: torch.dtype) -> None:
-    """range_backend must be "torch" or "triton"; the Triton kernels take fp32/bf16/fp16 (not float64)."""
-    if range_backend not in RANGE_BACKENDS:
-        raise ValueError(f"range_backend must be one of {RANGE_BACKENDS}, got {range_backend!r}")
-    if range_backend == "triton" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"range_backend='triton' runs the Triton range kernels, which take fp32/bf16/fp16 inputs, "
-                         f"got {dtype}")
+from .ranges import CompressedSoftmax, check_range_backend, compressed_ranges
 
 
 def sel_block_count(n_keys: int, cfg: NSAConfig) -> int:
@@ -116,28 +105,31 @@ def _packed_chunk_scores(q_chunk: Tensor, k_cmp: Tensor, positions: Tensor, n_se
 
 
 def _kernel_scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
-                   docs: Documents | None, lse2: Tensor | None):
+                   docs: Documents | None, cmp_softmax: CompressedSoftmax | None):
     """scores(q0, q1) for range_backend="triton": Eq. 8 + 10 in the group-scores kernel over each row's visible
     compressed tokens (ranges.compressed_ranges, from the seam masks.compressed_block_visible; document-local
     columns, as _packed_chunk_scores), then Eq. 9 (pool_eq9, linear, so pooling the head sum equals summing the
-    pooled heads) and -inf past J, as _chunk_scores. q and k_cmp in the kernel dtype. lse2 [B, TQ, Hq]: the
-    compressed branch's base-2 log-sum-exp of these rows (computed here, for every row at once, when None)."""
+    pooled heads) and -inf past J, as _chunk_scores. q and k_cmp in the kernel dtype. cmp_softmax: the compressed
+    branch's ranges and normaliser for these rows when the caller has them (nsa_forward); otherwise both are
+    computed here, for every row at once."""
     from .kernels import range_logsumexp2
     from .kernels.group_scores import group_scores
     from .kernels.range_attention import check_range_inputs
 
-    lo, hi = compressed_ranges(positions, k_cmp.shape[1], cfg, docs)
-    lo32, hi32 = check_range_inputs(q, k_cmp, None, lo, hi)
     logits = cfg.selection_score == "logits"
-    if lse2 is None and not logits:
-        lse2 = range_logsumexp2(q, k_cmp, lo32, hi32)
+    if cmp_softmax is None:
+        lo, hi = check_range_inputs(q, k_cmp, None, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs))
+        lse2 = None if logits else range_logsumexp2(q, k_cmp, lo, hi)
+    else:
+        lo, hi, lse2 = cmp_softmax.lo, cmp_softmax.hi, cmp_softmax.lse2
+    widths = torch.clamp(hi - lo + 1, min=0).cpu()  # one copy to the host: each chunk's width without a sync
     relative = positions if docs is None else docs.relative(positions)
     scale = 1.0 / math.sqrt(q.shape[-1])
     group = cfg.n_heads // cfg.n_kv_heads
 
     def scores(q0: int, q1: int) -> Tensor:
-        width = max(0, int((hi[q0:q1] - lo[q0:q1] + 1).max())) if q1 > q0 else 0
-        p_group = group_scores(q[:, q0:q1], k_cmp, lo32[q0:q1], hi32[q0:q1], None if logits else lse2[:, q0:q1],
+        width = int(widths[q0:q1].max()) if q1 > q0 else 0
+        p_group = group_scores(q[:, q0:q1], k_cmp, lo[q0:q1], hi[q0:q1], None if logits else lse2[:, q0:q1],
                                width, scale, logits=logits)  # Eq. 8 + Eq. 10 (sum)
         if cfg.group_reduce == "mean":
             p_group = p_group / group
@@ -164,10 +156,10 @@ def _score_chunk_size(q: Tensor, n_columns: int, n_sel_blocks: int, chunk_size: 
 
 
 def _scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
-            docs: Documents | None, range_backend: str, lse2: Tensor | None = None):
+            docs: Documents | None, range_backend: str, cmp_softmax: CompressedSoftmax | None = None):
     """scores(q0, q1) -> [B, q1 - q0, Hkv, n_sel_blocks] for the rows q0..q1-1 of q at these positions."""
     if range_backend == "triton":
-        return _kernel_scorer(q, k_cmp.to(q.dtype), cfg, positions, n_sel_blocks, docs, lse2)
+        return _kernel_scorer(q, k_cmp.to(q.dtype), cfg, positions, n_sel_blocks, docs, cmp_softmax)
     q, k_cmp = q.detach(), k_cmp.detach().to(compute_dtype(q.dtype))
     if docs is None:
         return lambda q0, q1: _chunk_scores(q[:, q0:q1], k_cmp, positions[q0:q1], n_sel_blocks, cfg)
@@ -250,15 +242,16 @@ def select_blocks(scores: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None =
 def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Tensor | None = None,
                       n_keys: int | None = None, chunk_size: int | None = None,
                       cu_seqlens: Tensor | None = None, docs: Documents | None = None,
-                      range_backend: str = "torch", lse2: Tensor | None = None) -> Tensor:
+                      range_backend: str = "torch", cmp_softmax: CompressedSoftmax | None = None) -> Tensor:
     """Eq. 8-11 fused and chunked over queries: indices [B, TQ, Hkv, n] for queries q [B, TQ, Hq, dk] at
     positions (default 0..TQ-1) over n_keys keys (default max position + 1). Peak memory is
     O(chunk * N) per head; no [TQ, N] or [TQ, ceil(T/l')] tensor is built for all queries at once.
     The result does not depend on chunk_size or on the batch (bitwise).
     cu_seqlens (packed batch over the n_keys keys, B = 1; k_cmp packed) or its prebuilt layout docs:
     document-relative indices, as each document alone would select.
-    range_backend: "torch" or "triton" (Eq. 8 + 10 in the group-scores kernel; module docstring); lse2: the
-    compressed branch's base-2 log-sum-exp [B, TQ, Hq] of these queries when the caller has it (nsa_forward)."""
+    range_backend: "torch" or "triton" (Eq. 8 + 10 in the group-scores kernel; module docstring); cmp_softmax:
+    the compressed branch's ranges and base-2 log-sum-exp for these queries when the caller has them
+    (nsa_forward with range_backend="triton")."""
     _check_scoring_inputs(q, k_cmp, cfg)
     check_range_backend(range_backend, q.dtype)
     B, TQ = q.shape[:2]
@@ -273,7 +266,7 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     n_sel_blocks = sel_block_count(n_keys, cfg) if docs is None else docs.n_sel_blocks
     q = q.detach()
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
-    scores = _scorer(q, k_cmp.detach(), cfg, positions, n_sel_blocks, docs, range_backend, lse2)
+    scores = _scorer(q, k_cmp.detach(), cfg, positions, n_sel_blocks, docs, range_backend, cmp_softmax)
     n_columns = _score_columns(k_cmp.shape[1], docs)
     for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):
         out[:, q0:q1] = select_blocks_rows(scores(q0, q1), cfg, positions[q0:q1], docs)

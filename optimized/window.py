@@ -16,8 +16,7 @@ from . import masks
 from .checks import check_branch_inputs
 from .documents import Documents, stage_documents
 from .masked_attention import SharedKeys, auto_chunk_size, masked_attention, query_chunks
-from .ranges import range_reads, window_ranges
-from .scoring import check_range_backend
+from .ranges import check_range_backend, range_reads, window_ranges
 
 
 class WindowKeyPlan:
@@ -86,10 +85,10 @@ def window_attention_kernel_rows(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig
                                  docs: Documents | None = None) -> tuple[Tensor, Tensor]:
     """Window branch on the range-attention kernel for queries q [B, TQ, Hq, dk] at positions [TQ]:
     (o_win [B, TQ, Hq, dv] in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers)."""
-    from .kernels import triton_range_attention
+    from .kernels import range_attention_lse2
 
     lo, hi = window_ranges(positions, cfg, docs)
-    o, _ = triton_range_attention(q, k, v, lo, hi)
+    o, _ = range_attention_lse2(q, k, v, lo, hi)
     return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
 
 

@@ -58,10 +58,12 @@ def triton_range_attention(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tens
 
 
 def range_attention_lse2(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
-                         scale: float | None = None) -> tuple[Tensor, Tensor]:
+                         scale: float | None = None, *, checked: bool = False) -> tuple[Tensor, Tensor]:
     """triton_range_attention with the normaliser as the kernel keeps it: (o, lse2), lse2 = lse * log2(e) (the
-    base-2 log-sum-exp), which the group-scores kernel takes as it is (no rounding round trip)."""
-    lo, hi = check_range_inputs(q, k, v, lo, hi)
+    base-2 log-sum-exp), which the group-scores kernel takes as it is (no rounding round trip).
+    checked: lo, hi are what check_range_inputs returned for these tensors (not validated again)."""
+    if not checked:
+        lo, hi = check_range_inputs(q, k, v, lo, hi)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -76,11 +78,6 @@ def range_logsumexp2(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float 
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     return range_attention_forward(q.detach(), k.detach(), None, lo, hi, float(scale))[1]
-
-
-def range_logsumexp(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float | None = None) -> Tensor:
-    """range_logsumexp2 in natural-log units: lse [B, TQ, Hq] as triton_range_attention returns it."""
-    return range_logsumexp2(q, k, lo, hi, scale) * LN2
 
 
 def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
