@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .range_attention_fwd import _key_tile_span
 from .selected_attention_fwd import LOG2E, dot_settings
 from .tiling import MIN_DOT, RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
 
@@ -49,12 +50,8 @@ def _group_scores_kernel(
     head_m = offs_m % GROUP_PAD
     valid_m = (t_m < n_queries) & (head_m < GROUP)
     h_m = g * GROUP + head_m
-    lo_m = tl.load(LO + t_m, mask=valid_m, other=0)  # int32 ranges and keys, int64 pointer offsets
-    hi_m = tl.load(HI + t_m, mask=valid_m, other=-1)
-    reads = valid_m & (hi_m >= lo_m)
-    first = tl.min(tl.where(reads, lo_m, n_keys), 0)
-    last = tl.max(tl.where(reads, hi_m, -1), 0)
-    start = (first // BLOCK_N) * BLOCK_N
+    # int32 ranges and keys, int64 pointer offsets; key tiles aligned as in the range-attention kernels
+    lo_m, hi_m, start, last = _key_tile_span(LO, HI, t_m, valid_m, n_keys, BLOCK_N)
 
     offs_dk = tl.arange(0, BLOCK_DK)
     dk_mask = offs_dk < DK

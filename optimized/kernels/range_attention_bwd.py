@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .range_attention_fwd import _key_tile_span
 from .selected_attention_bwd import _compensated_add
 from .selected_attention_fwd import LOG2E, dot_settings
 from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
@@ -60,12 +61,8 @@ def _range_attention_dq_kernel(
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
 
-    lo = tl.load(LO + offs_m, mask=row_mask, other=0)  # int32 ranges and keys, int64 pointer offsets
-    hi = tl.load(HI + offs_m, mask=row_mask, other=-1)
-    reads = row_mask & (hi >= lo)
-    first = tl.min(tl.where(reads, lo, n_keys), 0)
-    last = tl.max(tl.where(reads, hi, -1), 0)
-    start = (first // BLOCK_N) * BLOCK_N
+    # int32 ranges and keys, int64 pointer offsets; the same key tiles as the forward
+    lo, hi, start, last = _key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
     q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)

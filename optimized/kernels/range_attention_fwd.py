@@ -27,6 +27,19 @@ from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, sma
 
 
 @triton.jit
+def _key_tile_span(LO, HI, rows, valid, n_keys, BLOCK_N: tl.constexpr):
+    """The ranges [lo, hi] of the given rows (int32; an invalid row reads nothing) and the key tiles covering the
+    union of the rows that read something: tiles start at `start`, a multiple of BLOCK_N (so a row's arithmetic
+    does not depend on the rows it shares a program with), and run while start_n <= last."""
+    lo = tl.load(LO + rows, mask=valid, other=0)
+    hi = tl.load(HI + rows, mask=valid, other=-1)
+    reads = valid & (hi >= lo)
+    first = tl.min(tl.where(reads, lo, n_keys), 0)
+    last = tl.max(tl.where(reads, hi, -1), 0)
+    return lo, hi, (first // BLOCK_N) * BLOCK_N, last
+
+
+@triton.jit
 def _range_attention_fwd_kernel(
     Q, K, V, LO, HI, O, LSE2,
     stride_qb, stride_qt, stride_qh,
@@ -54,12 +67,7 @@ def _range_attention_fwd_kernel(
     dv_mask = offs_dv < DV
 
     # ranges and key indices in int32 (keys < 2^31; masks stay cheap in registers), pointer offsets in int64
-    lo = tl.load(LO + offs_m, mask=row_mask, other=0)
-    hi = tl.load(HI + offs_m, mask=row_mask, other=-1)
-    reads = row_mask & (hi >= lo)
-    first = tl.min(tl.where(reads, lo, n_keys), 0)
-    last = tl.max(tl.where(reads, hi, -1), 0)
-    start = (first // BLOCK_N) * BLOCK_N
+    lo, hi, start, last = _key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
     q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
