@@ -193,6 +193,23 @@ def write_merged_report(out_dir: Path | str, stem: str, report: dict, markdown: 
     return merged
 
 
+def finish_gpu_report(request, report: dict, stem: str, markdown: Callable[[dict], str],
+                      out_dir: Path | str | None) -> None:
+    """End of a GPU test module: stamp the report with the GPU and the torch/triton versions, write it with
+    write_merged_report when out_dir is given, and print the (merged) markdown in pytest's terminal summary."""
+    import torch
+    import triton
+
+    report.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    if out_dir is not None:
+        report = write_merged_report(out_dir, stem, report, markdown)
+    terminal = request.config.pluginmanager.getplugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line("\n" + markdown(report))
+        if out_dir is not None:
+            terminal.write_line(f"report written to {out_dir}/{stem}.json and .md")
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)

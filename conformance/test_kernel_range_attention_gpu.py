@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import optimized as O
-from conformance.helpers import error_ratio, make_inputs, write_merged_report
+from conformance.helpers import error_ratio, finish_gpu_report, make_inputs
 from conformance.parity import score_tolerance, selection_mismatches
 from optimized import masks
 from optimized.documents import documents
@@ -52,16 +52,7 @@ REPORT: dict = {"parity": [], "scores": []}
 @pytest.fixture(scope="module", autouse=True)
 def write_report(request: pytest.FixtureRequest):
     yield
-    REPORT["device"] = torch.cuda.get_device_name()
-    REPORT["torch"] = torch.__version__
-    REPORT["triton"] = __import__("triton").__version__
-    report = REPORT
-    out = os.environ.get("OUT")
-    if out:
-        report = write_merged_report(out, "range_attention_kernel_gpu", REPORT, markdown)
-    terminal = request.config.pluginmanager.getplugin("terminalreporter")
-    if terminal is not None:
-        terminal.write_line(markdown(report))
+    finish_gpu_report(request, REPORT, "range_attention_kernel_gpu", markdown, os.environ.get("OUT"))
 
 
 def markdown(report: dict) -> str:

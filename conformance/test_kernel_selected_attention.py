@@ -120,12 +120,18 @@ def test_backward_matches_naive_autograd(name: str, poisoned_empty: None) -> Non
     case = CASES[name]
     q, k, v = random_qkv(case, dtype=torch.float32, device=DEVICE, seed=5)
     idx = perturbed_indices(case, seed=len(name) + 3).to(DEVICE)
+    assert_backward_matches_naive(case, q, k, v, idx)
+
+
+def assert_backward_matches_naive(case: Case, q, k, v, idx, **packing) -> None:
+    """o, dq, dk, dv of the fp32 kernel against naive autograd in float64 (rel error < 1e-5) and the error-ratio
+    rule with naive in fp32 as the baseline; every element written. packing: doc_start of a packed batch."""
     do = torch.randn((case.batch, case.tq, case.n_heads, case.dv), generator=torch.Generator().manual_seed(9))
     do = do.to(DEVICE)
 
     def grads(fn, dtype):
         leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
-        out = fn(*leaves, idx, case.sel_block)
+        out = fn(*leaves, idx, case.sel_block, **packing)
         return [out] + list(torch.autograd.grad(out, leaves, do.to(dtype)))
 
     kernel = grads(triton_selected_attention, torch.float32)
@@ -427,21 +433,7 @@ def test_packed_forward_matches_naive_and_float64_reference(name: str, poisoned_
 @pytest.mark.parametrize("name", list(PACKED_CASES))
 def test_packed_backward_matches_naive_autograd(name: str, poisoned_empty: None) -> None:
     case, lengths, q, k, v, idx, starts = packed_inputs(name, seed=len(name) + 3)
-    do = torch.randn((case.batch, case.tq, case.n_heads, case.dv), generator=torch.Generator().manual_seed(9))
-    do = do.to(DEVICE)
-
-    def grads(fn, dtype):
-        leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
-        out = fn(*leaves, idx, case.sel_block, doc_start=starts)
-        return [out] + list(torch.autograd.grad(out, leaves, do.to(dtype)))
-
-    kernel = grads(triton_selected_attention, torch.float32)
-    fp32 = grads(selected_attention_naive, torch.float32)
-    oracle = grads(selected_attention_naive, torch.float64)
-    for label, got, low, exact in zip(("o", "dq", "dk", "dv"), kernel, fp32, oracle):
-        assert torch.isfinite(got).all(), f"{label} has NaN/inf (unwritten element?)"
-        assert rel_error(got, exact) < 1e-5, label
-        assert error_ratio(got, low, exact) <= 1.0, label
+    assert_backward_matches_naive(case, q, k, v, idx, doc_start=starts)
 
 
 @pytest.mark.parametrize("queries_per_item", [2, None])

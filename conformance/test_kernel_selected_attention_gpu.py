@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance.helpers import error_ratio, rel_error, write_merged_report
+from conformance.helpers import error_ratio, finish_gpu_report, rel_error
 from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels.selected_attention_bwd import (selected_attention_backward, selected_attention_backward_dkdv,
@@ -53,16 +53,7 @@ REPORT: dict = {"parity": [], "long": [], "timing": [], "forward_sweep": [], "dq
 @pytest.fixture(scope="module", autouse=True)
 def write_report(request: pytest.FixtureRequest):
     yield
-    REPORT["device"] = torch.cuda.get_device_name()
-    REPORT["torch"] = torch.__version__
-    REPORT["triton"] = __import__("triton").__version__
-    out = os.environ.get("OUT")
-    text = markdown(REPORT)
-    terminal = request.config.pluginmanager.getplugin("terminalreporter")
-    if terminal is not None:
-        terminal.write_line("\n" + text)
-    if out:
-        write_merged_report(out, "selected_attention_kernel_gpu", REPORT, markdown)
+    finish_gpu_report(request, REPORT, "selected_attention_kernel_gpu", markdown, os.environ.get("OUT"))
 
 
 def sampled_rows(case: Case, seed: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 import optimized as O
 import reference
-from conformance.helpers import Inputs, error_ratio, make_inputs, write_merged_report
+from conformance.helpers import Inputs, error_ratio, finish_gpu_report, make_inputs
 from conformance.parity import (cotangent, grads_of, low_precision_example, reference_teacher_forced,
                                 score_tolerance, selection_mismatches, small_configs, tensor_names)
 from reference import selection as ref_selection
@@ -72,15 +72,7 @@ def report_dir() -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def write_report(request: pytest.FixtureRequest):
     yield
-    REPORT["device"] = torch.cuda.get_device_name()
-    REPORT["torch"] = torch.__version__
-    REPORT["triton"] = __import__("triton").__version__
-    out = report_dir()
-    merged = write_merged_report(out, "parity_gpu", REPORT, markdown)
-    terminal = request.config.pluginmanager.getplugin("terminalreporter")
-    if terminal is not None:
-        terminal.write_line(markdown(merged))
-        terminal.write_line(f"parity summary written to {out}/parity_gpu.json and .md")
+    finish_gpu_report(request, REPORT, "parity_gpu", markdown, report_dir())
 
 
 def markdown(report: dict) -> str:
@@ -133,22 +125,14 @@ def check_small(cfg: NSAConfig, T: int, dtype: torch.dtype, case: str, range_bac
     assert not result.selection, result.selection[:5]
 
 
+@pytest.mark.parametrize("range_backend", RANGE_BACKENDS, ids=["torch", "range"])
 @given(data=st.data())
-def test_small_configs_vs_loop_reference(data):
+def test_small_configs_vs_loop_reference(range_backend, data):
     cfg = data.draw(small_configs(), label="cfg")
     T = data.draw(st.integers(1, 96), label="T")
     dtype = data.draw(st.sampled_from(GPU_DTYPES), label="dtype")
-    note(f"cfg={cfg} T={T} dtype={dtype}")
-    check_small(cfg, T, dtype, "hypothesis")
-
-
-@given(data=st.data())
-def test_small_configs_vs_loop_reference_range_kernels(data):
-    cfg = data.draw(small_configs(), label="cfg")
-    T = data.draw(st.integers(1, 96), label="T")
-    dtype = data.draw(st.sampled_from(GPU_DTYPES), label="dtype")
-    note(f"cfg={cfg} T={T} dtype={dtype} range_backend=triton")
-    check_small(cfg, T, dtype, "hypothesis", range_backend="triton")
+    note(f"cfg={cfg} T={T} dtype={dtype} range_backend={range_backend}")
+    check_small(cfg, T, dtype, "hypothesis", range_backend)
 
 
 @pytest.mark.parametrize("range_backend", RANGE_BACKENDS, ids=["torch", "range"])

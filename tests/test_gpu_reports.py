@@ -23,3 +23,25 @@ def test_parts_of_several_workers_merge_into_one_report(tmp_path, monkeypatch):
     assert again["parity"] == [{"case": "a"}, {"case": "b"}]
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["kernel.json", "kernel.part-gw0.json",
                                                                "kernel.part-gw1.json"]
+
+
+def test_finish_gpu_report_stamps_versions_writes_and_prints(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from conformance.helpers import finish_gpu_report
+
+    lines = []
+    terminal = SimpleNamespace(write_line=lines.append)
+    request = SimpleNamespace(config=SimpleNamespace(pluginmanager=SimpleNamespace(getplugin=lambda name: terminal)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "H100")
+    report = {"parity": [{"case": "a"}]}
+    finish_gpu_report(request, report, "kernel", lambda r: f"{r['device']}: {len(r['parity'])}", tmp_path)
+    written = json.loads((tmp_path / "kernel.json").read_text())
+    assert written["device"] == "H100" and written["torch"] == torch.__version__ and "triton" in written
+    assert lines[0] == "\nH100: 1" and "kernel.json" in lines[1]
+    lines.clear()
+    finish_gpu_report(request, {"parity": []}, "kernel", lambda r: f"{r['device']}: {len(r['parity'])}", None)
+    assert lines == ["\nH100: 0"]  # nothing written without an output folder, the report still printed
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["kernel.json", "kernel.part-main.json"]
