@@ -24,6 +24,7 @@ from optimized.kernels.range_attention_bwd import range_attention_backward, read
 from optimized.kernels.range_attention_fwd import range_attention_forward
 from optimized.ranges import compressed_ranges, range_reads, window_ranges
 from reference.config import NSAConfig
+from reference.packing import cu_seqlens_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -246,7 +247,7 @@ def test_layer_on_the_range_kernels_packed_equals_documents_alone() -> None:
     lengths = [9, 0, 30, 1, 21]
     T = sum(lengths)
     x = make_inputs(cfg, T, seed=2, dtype=torch.float32, device=DEVICE, phi_hidden=5)
-    bounds = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    bounds = cu_seqlens_of(lengths, DEVICE)
     packed = O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi, cu_seqlens=bounds, range_backend="triton")
     start = 0
     for n in lengths:

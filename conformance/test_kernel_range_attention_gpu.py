@@ -26,6 +26,7 @@ from optimized.documents import documents
 from optimized.kernels import range_attention_naive, triton_range_attention
 from optimized.ranges import compressed_ranges, window_ranges
 from reference.config import NSAConfig
+from reference.packing import cu_seqlens_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -77,7 +78,7 @@ def layout_ranges(layout: str, T: int) -> tuple[torch.Tensor, torch.Tensor, int]
     docs = None
     if layout.endswith("packed"):
         lengths = PACKED_LENGTHS[:-1] + [T - sum(PACKED_LENGTHS[:-1])]
-        bounds = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device=DEVICE)
+        bounds = cu_seqlens_of(lengths, DEVICE)
         docs = documents(bounds, T, 1, PAPER, DEVICE)
     if layout.startswith("window"):
         lo, hi = window_ranges(positions, PAPER, docs)
@@ -153,7 +154,7 @@ def test_gpu_group_scores_and_selection(dtype_name: str, packed: bool) -> None:
     cu = None
     if packed:
         lengths = PACKED_LENGTHS[:-1] + [T - sum(PACKED_LENGTHS[:-1])]
-        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+        cu = cu_seqlens_of(lengths, DEVICE)
     with torch.no_grad():
         k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi, cu_seqlens=cu)[0]
         kernel = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton")

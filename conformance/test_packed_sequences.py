@@ -29,6 +29,7 @@ from conformance.adapters import not_covered
 from conformance.helpers import Inputs, first_difference, make_inputs, named_tensors, select_rows
 from conformance.rules import complete_cmp_blocks, current_sel_block
 from conformance.strategies import configs, document_lengths, show_reproducer
+from reference.packing import cu_seqlens_of
 
 PROPERTY = "Packed sequences (cu_seqlens)"
 EQUATION = "Eq. 1-12 per document"
@@ -40,12 +41,6 @@ HIDDEN = 8
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def cu_seqlens_of(lengths: list[int], device) -> torch.Tensor:
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
-
 
 def spans_of(lengths: list[int]) -> list[tuple[int, int]]:
     out, start = [], 0

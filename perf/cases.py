@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from reference.contract import KV, BranchKV, PhiWeights
+from reference.packing import check_cu_seqlens, cu_seqlens_of
 
 from .flops import selected_token_count
 from .implementations import NSAImplementation
@@ -57,8 +58,7 @@ class Inputs:
         """[start, end) of every non-empty document (one (0, T) for a single sequence)."""
         if self.cu_seqlens is None:
             return [(0, self.q.shape[1])]
-        b = [int(x) for x in self.cu_seqlens]
-        return [(s, e) for s, e in zip(b, b[1:]) if e > s]
+        return [(s, e) for s, e in check_cu_seqlens(self.cu_seqlens, self.q.shape[1], self.q.shape[0]) if e > s]
 
 
 @dataclass
@@ -118,10 +118,7 @@ def packed_inputs(spec: BenchSpec, T: int, device: torch.device, seed: int) -> I
         raise ValueError(f"the packed workload packs documents into ONE row: BenchSpec.batch must be 1, got "
                          f"{spec.batch}")
     inputs = single_sequence_inputs(spec, T, device, seed)
-    bounds = [0]
-    for n in packed_document_lengths(T, seed):
-        bounds.append(bounds[-1] + n)
-    inputs.cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    inputs.cu_seqlens = cu_seqlens_of(packed_document_lengths(T, seed), device)
     return inputs
 
 

@@ -20,6 +20,15 @@ from torch import Tensor
 from .config import NSAConfig
 
 
+def cu_seqlens_of(lengths: list[int], device: torch.device | str | None = None) -> Tensor:
+    """cu_seqlens of documents of the given lengths: [0, L_0, L_0 + L_1, ..., T] as int32 (the flash-attn
+    convention), on `device` (default CPU)."""
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + int(length))
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
 def check_cu_seqlens(cu_seqlens: Tensor, n_tokens: int, batch: int, where: str = "cu_seqlens") -> list[tuple[int, int]]:
     """Validate cu_seqlens for a packed batch of `n_tokens` tokens and batch size `batch`; returns the document
     spans [(start, end), ...] (end exclusive). A ValueError names the rule broken."""

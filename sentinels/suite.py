@@ -29,10 +29,11 @@ from typing import Any, Callable
 
 import torch
 
+from reference.packing import cu_seqlens_of
+
 from . import thresholds
 from .config import RunConfig
 from .data.batch import Batch, LabelShiftError, check_next_token_alignment, check_packed_alignment
-from .data.packing import cu_seqlens_of
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .model import build_model, lm_loss, packs_documents

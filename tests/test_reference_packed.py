@@ -11,7 +11,7 @@ import torch
 import reference as R
 from conformance.helpers import make_inputs, select_rows
 from conformance.rules import causal_mask, dense_attention
-from reference.packing import compressed_cu_seqlens, n_compressed_tokens
+from reference.packing import check_cu_seqlens, compressed_cu_seqlens, cu_seqlens_of, n_compressed_tokens
 
 # l = 4, d = 2, l' = 8, w = 5: every edge length below differs from the others.
 CFG = R.NSAConfig(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, n_init=1, n_local=1, window=5, n_heads=2,
@@ -304,3 +304,10 @@ def test_module_restarts_rope_positions_at_each_document():
         torch.testing.assert_close(q[:, s:e], q_alone, rtol=1e-13, atol=1e-14)
         torch.testing.assert_close(kv.slc.k[:, s:e], kv_alone.slc.k, rtol=1e-13, atol=1e-14)
         torch.testing.assert_close(y[:, s:e], module(x[:, s:e]), rtol=1e-12, atol=1e-14)
+
+
+def test_cu_seqlens_of_lengths():
+    cu = cu_seqlens_of([3, 0, 2])
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 5]
+    assert check_cu_seqlens(cu, 5, 1) == [(0, 3), (3, 3), (3, 5)]
+    assert cu_seqlens_of([]).tolist() == [0]

@@ -13,7 +13,8 @@ import torch
 
 from sentinels.config import ConfigError, from_dict, load_config
 from sentinels.data.batch import IGNORE_INDEX, Batch, LabelShiftError, check_packed_alignment
-from sentinels.data.packing import PackedDocumentSource, cu_seqlens_of
+from reference.packing import cu_seqlens_of
+from sentinels.data.packing import PackedDocumentSource
 from sentinels.data.pipeline import BatchSource
 from sentinels.data.sources import LocalCorpus, LocalDocuments, ShardSpec
 from sentinels.data.synthetic import SyntheticBatchSource

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from reference.packing import cu_seqlens_of
+
 from .batch import Batch
-
-
-def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
-    """[0, L_0, L_0 + L_1, ...] as int32 (the flash-attn / reference.packing convention)."""
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
-    return torch.tensor(bounds, dtype=torch.int32)
 
 
 class PackedDocumentSource:

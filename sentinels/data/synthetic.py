@@ -22,8 +22,9 @@ import hashlib
 
 import torch
 
+from reference.packing import cu_seqlens_of
+
 from .batch import Batch
-from .packing import cu_seqlens_of
 
 
 def counter_generator(seed: int, shard: int, counter: int) -> torch.Generator:
