@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from reference.packing import cu_seqlens_of
+from reference.packing import check_cu_seqlens, cu_seqlens_of
 
 from . import thresholds
 from .config import RunConfig
@@ -203,11 +203,10 @@ class SentinelRunner:
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg).to(device).eval()
         lengths = isolation_lengths(cfg.model.nsa_config())
-        bounds = cu_seqlens_of(lengths).tolist()
-        spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        cu = cu_seqlens_of(lengths, device)
+        spans = [(a, b) for a, b in check_cu_seqlens(cu, sum(lengths), 1) if b > a]
         vocab = cfg.vocab_size()
-        tokens = torch.randint(0, vocab, (1, bounds[-1]), generator=torch.Generator().manual_seed(0)).to(device)
-        cu = cu_seqlens_of(lengths).to(device)
+        tokens = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(0)).to(device)
         alone_diff, perturb_diff, own_change = 0.0, 0.0, float("inf")
         with torch.no_grad(), _no_tf32():
             packed = model(tokens, cu).float()
