@@ -10,11 +10,16 @@
 #                                                  suite's range-kernel runs (after a kernel change)
 #   bash scripts/gpu_session.sh perf [seconds]     perf sweep of SDPA, nsa (torch path) and nsa[range_backend=triton]:
 #                                                  packed documents, then the single sequence, one results folder
+#   bash scripts/gpu_session.sh gate [seconds]     the launch gate end to end for configs/prod-125m.yaml on the local
+#                                                  corpus (carry data/sentinels): env guard, nox -s preflight with
+#                                                  both GPU gates at once (the sentinels-gpu report is issue 5's GPU
+#                                                  run), then a launch with another config hash (must be refused) and
+#                                                  the authorized launch, stopped by .HALT after a few steps
 #
 # COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
 # `tar xzf gpu_session-<mode>.tgz -C <dir>`; reports/README.md says where each file is committed.
 set -u
-MODE=${1:?usage: gpu_session.sh checks|range|perf [seconds]}
+MODE=${1:?usage: gpu_session.sh checks|range|perf|gate [seconds]}
 BUDGET=${2:-400}
 REAL_OUT=${OUT:?OUT must name the folder whose files come back}
 STAGE=$(mktemp -d)
@@ -78,8 +83,42 @@ case "$MODE" in
     echo "exit $?" >> "$STAGE/perf_single.log"
     pack
     ;;
+  gate)
+    # The prod config on the local corpus: the GPU host has no network for FineWeb streaming (docs/runbook.md).
+    GATE_ARGS=(--config configs/prod-125m.yaml -o data.source=jsonl -o "data.paths=[data/sentinels/wiki.jsonl]")
+    { git log -1 --format='device checkout: %H %s' 2>&1; git status --porcelain --untracked-files=no | head -5; } \
+      >> "$STAGE/env.txt"
+    python3 -m sentinels env > "$STAGE/env_guard.log" 2>&1
+    echo "exit $?" >> "$STAGE/env_guard.log"
+    OUT=$STAGE timeout -k 15 $(( $(left) - 50 )) python3 -m nox -s preflight -- "${GATE_ARGS[@]}" --parallel-gates \
+      > "$STAGE/preflight.log" 2>&1
+    PREFLIGHT=$?
+    echo "exit $PREFLIGHT" >> "$STAGE/preflight.log"
+    pack
+    [ "$PREFLIGHT" -eq 0 ] || { grep -hE "^exit" "$STAGE"/*.log; exit 1; }
+    # Another config hash (one override more) has no GO record: the launcher must refuse it.
+    python3 -m nox -s launch -- "${GATE_ARGS[@]}" -o train.lr=1e-3 --nproc 1 > "$STAGE/launch_refused.log" 2>&1
+    echo "exit $?" >> "$STAGE/launch_refused.log"
+    # The authorized launch: torchrun -> sentinels train; .HALT after a few steps stops it after a checkpoint.
+    RUN_DIR=runs/prod-125m
+    python3 -m nox -s launch -- "${GATE_ARGS[@]}" --nproc 1 > "$STAGE/launch.log" 2>&1 &
+    LAUNCHED=$!
+    for _ in $(seq 1 $(( $(left) - 30 ))); do
+      if [ -f "$RUN_DIR/heartbeat.jsonl" ] && [ "$(wc -l < "$RUN_DIR/heartbeat.jsonl")" -ge 20 ]; then break; fi
+      kill -0 $LAUNCHED 2>/dev/null || break
+      sleep 1
+    done
+    touch "$RUN_DIR/.HALT"
+    timeout $(( $(left) > 45 ? 45 : ($(left) > 5 ? $(left) - 5 : 1) )) tail --pid=$LAUNCHED -f /dev/null
+    echo "exit $?" >> "$STAGE/launch.log"
+    mkdir -p "$STAGE/run"
+    cp "$RUN_DIR"/*.json "$RUN_DIR"/*.jsonl "$RUN_DIR"/*.csv "$RUN_DIR"/*.yaml "$STAGE/run/" 2>/dev/null
+    cp -r "$RUN_DIR/checkpoints/latest.json" "$STAGE/run/" 2>/dev/null
+    ls -la "$RUN_DIR" "$RUN_DIR/checkpoints" > "$STAGE/run/listing.txt" 2>&1
+    pack
+    ;;
   *)
-    echo "unknown mode $MODE (checks | range | perf)" >&2
+    echo "unknown mode $MODE (checks | range | perf | gate)" >&2
     exit 2
     ;;
 esac
