@@ -70,8 +70,12 @@ PROFILES = {
         real_text={"train.steps": 200, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 20},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
-        loss_floor_plant={"train.steps": 300, "train.micro_batch_size": 4, "train.seq_len": 2048, "train.lr": 3e-3,
-                          "train.warmup_steps": 10},
+        # Byte tokens: with GPT-2 BPE (50257 ids) the leaky 15M probe needs far more than 300 steps to learn the
+        # copy through the leaked key/value (H100, 2026-11-25: min loss 3.57 nats at step 300, falling ~0.5 nats per
+        # 100 steps, so the plant was MISSED); over 256 byte ids the CPU model learned it in ~150 steps at seq_len
+        # 1024. The monitor does not depend on the tokenizer; the run stops at the trip (halt), so steps is a cap.
+        loss_floor_plant={"train.steps": 400, "train.micro_batch_size": 4, "train.seq_len": 2048, "train.lr": 3e-3,
+                          "train.warmup_steps": 10, "data.tokenizer": "byte"},
         budget_s=540.0,  # 480 s before the packed (varlen) real-text run and doc_isolation (issue 9)
         run_cap_s=55.0,
     ),
