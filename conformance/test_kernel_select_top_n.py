@@ -1,7 +1,8 @@
 """The fused Eq. 9-11 top-n kernel (optimized/kernels/select_top_n.py, issue 8) against the torch code it replaces
 on the same group scores P: scoring.pool_eq9, the masked_fill past J and scoring.select_blocks_rows. The indices
 must be IDENTICAL (bitwise): ties, signed zeros, rows with fewer blocks than n, forced blocks overlapping,
-every preset, packed documents.
+every preset, packed documents. Then selection_indices(range_backend="triton"), which runs the kernel, against
+the same call with a replaced seam, which must run the torch code.
 
 On a machine without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, root conftest) on tiny
 shapes; test_kernel_select_top_n_gpu.py runs it compiled at the paper's sizes. P entries past each row's range
@@ -10,11 +11,16 @@ are NaN here: the kernel must never read them (group_scores leaves them unwritte
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
-from optimized import masks
+import optimized as O
+from conformance.helpers import make_inputs
+from optimized import masks, scoring
 from optimized.documents import documents
+from optimized.kernels import select_top_n as top_n_module
 from optimized.kernels.select_top_n import select_top_n
 from optimized.ranges import compressed_ranges
 from optimized.scoring import pool_eq9, sel_block_count, select_blocks_rows
@@ -33,9 +39,30 @@ BLOCK_LAYOUTS = [(8, 4, 16, 3, 1, 1), (4, 2, 8, 4, 0, 0), (4, 4, 4, 2, 0, 2), (6
 TIE_PALETTE = [0.0, -0.0, 0.25, 0.5, 1.0 / 3.0, 1e-30, 2.0**-24]
 
 
+def eq9_zero_based_band(cfg: NSAConfig) -> masks.Eq9Band:
+    """The self-test's planted Eq. 9 (conformance/selftest/variants/eq9_zero_based.py, which patches on import):
+    the literal 0-based index (l'/d) j - m - n, offsets -(l'/d - 1) - (l/d - 1) .. 0."""
+    per_sel, per_cmp = cfg.pieces_per_sel_block, cfg.pieces_per_cmp_block
+    reach = [sum(1 for m in range(per_sel) for n in range(per_cmp) if -m - n == r)
+             for r in range(-(per_sel - 1) - (per_cmp - 1), 1)]
+    return masks.Eq9Band(-(per_sel - 1) - (per_cmp - 1), tuple(float(c) for c in reach))
+
+
 def layout_cfg(layout, **extra) -> NSAConfig:
     l, d, lp, n, n_init, n_local = layout
     return SMALL.replace(cmp_block=l, cmp_stride=d, sel_block=lp, n_sel=n, n_init=n_init, n_local=n_local, **extra)
+
+
+@contextmanager
+def seam_replaced(name: str, replacement=None):
+    """masks.<name> replaced (by default with a wrapper around the original that behaves the same: a new function,
+    which is all the dispatch looks at), restored on exit."""
+    original = getattr(masks, name)
+    setattr(masks, name, replacement or (lambda *args: original(*args)))
+    try:
+        yield
+    finally:
+        setattr(masks, name, original)
 
 
 def rows_of(cfg: NSAConfig, positions: torch.Tensor, n_keys: int, docs=None):
@@ -231,3 +258,108 @@ def test_bad_inputs_raise_value_errors() -> None:
         select_top_n(p[:, :, :1], lo, hi, J, 3, cfg)
     with pytest.raises(ValueError, match=r"out must be an int64 tensor \[B, C, Hkv, n\]"):
         select_top_n(p, lo, hi, J, 3, cfg, out=torch.zeros((1, 4, 2, 4), dtype=torch.int64))
+
+
+# selection_indices on the kernels: the fused path vs the torch code (a replaced seam) ----------------------------
+def selection(x, k_cmp, cfg, cu=None, **kwargs):
+    return O.selection_indices(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton", **kwargs)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("packed", [False, True], ids=["single", "packed"])
+def test_selection_indices_fused_equal_the_torch_code(preset: str, packed: bool) -> None:
+    cfg = NSAConfig.preset(preset, n_heads=6, n_kv_heads=2, head_dim_qk=8, head_dim_v=6, window=12, n_sel=3)
+    cfg = cfg.replace(cmp_block=4, cmp_stride=4, sel_block=4) if preset == "equal_blocks" else \
+        cfg.replace(cmp_block=4, cmp_stride=2, sel_block=8)
+    T = 75
+    x = make_inputs(cfg, T, B=1 if packed else 2, seed=3, dtype=torch.float32, device=DEVICE)
+    cu = cu_seqlens_of([5, 0, 40, 30], DEVICE) if packed else None
+    k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi, cu_seqlens=cu)[0]
+    fused = selection(x, k_cmp, cfg, cu)
+    assert torch.equal(selection(x, k_cmp, cfg, cu, chunk_size=7), fused), "depends on the chunking"
+    with seam_replaced("top_n_blocks"):
+        assert torch.equal(selection(x, k_cmp, cfg, cu, chunk_size=11), fused)
+    scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton")
+    assert torch.equal(O.select_blocks(scores, cfg, cu_seqlens=cu), fused)
+
+
+def test_selection_with_budget_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default chunks (_kernel_chunks) with a tiny P budget: many chunks of different row counts, the same
+    indices as one chunk."""
+    x = make_inputs(SMALL, 90, B=2, seed=8, dtype=torch.float32, device=DEVICE)
+    k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
+    whole = selection(x, k_cmp, SMALL, chunk_size=90)
+    calls = []
+    real = top_n_module.select_top_n
+    monkeypatch.setattr(top_n_module, "select_top_n", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
+    monkeypatch.setattr(scoring, "KERNEL_CHUNK_P_BYTES", 2 * 2 * 4 * 40)  # 40 row-columns per chunk
+    assert torch.equal(selection(x, k_cmp, SMALL), whole)
+    assert len(calls) > 5 and len({shape[1] for shape in calls}) > 2, calls
+    assert all(shape[1] * max(shape[3], 1) <= 40 or shape[1] == 1 for shape in calls), calls
+
+
+def test_a_chunk_is_two_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per chunk: group_scores writing P without a zero fill, then the top-n kernel writing the chunk's rows of the
+    result (no copy)."""
+    from optimized.kernels import group_scores as group_scores_module
+
+    x = make_inputs(SMALL, 60, seed=2, dtype=torch.float32, device=DEVICE)
+    k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
+    events = []
+    real_scores, real_top_n = group_scores_module.group_scores, top_n_module.select_top_n
+    monkeypatch.setattr(group_scores_module, "group_scores",
+                        lambda *a, **k: events.append(("scores", k["out"] is not None)) or real_scores(*a, **k))
+    monkeypatch.setattr(top_n_module, "select_top_n",
+                        lambda *a, **k: events.append(("top_n", k["out"].data_ptr())) or real_top_n(*a, **k))
+    out = selection(x, k_cmp, SMALL, chunk_size=16)
+    starts = [out[:, q0:].data_ptr() for q0 in range(0, 60, 16)]
+    assert events == [e for q0 in starts for e in (("scores", True), ("top_n", q0))]
+
+
+@pytest.mark.parametrize("seam", ["forced_blocks", "top_n_blocks", "ranked_blocks"])
+def test_a_replaced_top_n_seam_runs_the_torch_code(seam: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = make_inputs(SMALL, 50, seed=4, dtype=torch.float32, device=DEVICE)
+    k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
+    fused = selection(x, k_cmp, SMALL)
+    kernel_calls, seam_calls = [], []
+    real = top_n_module.select_top_n
+    monkeypatch.setattr(top_n_module, "select_top_n", lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
+    original = getattr(masks, seam)
+    with seam_replaced(seam, lambda *args: seam_calls.append(1) or original(*args)):
+        replaced = selection(x, k_cmp, SMALL)
+    assert seam_calls and not kernel_calls, f"kernel calls {len(kernel_calls)}, {seam} calls {len(seam_calls)}"
+    assert torch.equal(replaced, fused)
+    assert torch.equal(selection(x, k_cmp, SMALL), fused) and kernel_calls, "the kernel runs again once restored"
+
+
+def test_the_kernel_takes_the_band_and_j_from_their_seams() -> None:
+    """masks.eq9_pool_weights and masks.current_sel_block are read at call time, so a replaced band (the self-test's
+    0-based Eq. 9) or J reaches the kernel: it selects what the torch code selects under the same replacement."""
+    x = make_inputs(SMALL, 80, B=2, seed=6, dtype=torch.float32, device=DEVICE)
+    k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
+    plain = selection(x, k_cmp, SMALL)
+    shifted_current = lambda pos, cfg: torch.div(pos + cfg.sel_block // 2, cfg.sel_block, rounding_mode="floor")  # noqa: E731
+    for seam, replacement in (("eq9_pool_weights", eq9_zero_based_band), ("current_sel_block", shifted_current)):
+        with seam_replaced(seam, replacement):
+            fused = selection(x, k_cmp, SMALL)
+            with seam_replaced("top_n_blocks"):
+                torch_code = selection(x, k_cmp, SMALL)
+        assert not torch.equal(fused, plain), f"replacing {seam} must matter for this input"
+        assert torch.equal(fused, torch_code), seam
+
+
+def test_kernel_chunks_keep_p_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scoring, "KERNEL_CHUNK_P_BYTES", 1000 * 16)
+    single = torch.clamp((torch.arange(5000) - 31) // 16 + 1, min=0)  # one sequence at the paper's l, d
+    packed = torch.cat([single[:700], single[:3000], single[:1300]])  # widths restart at each document
+    for widths in (single, packed):
+        chunks = scoring._kernel_chunks(widths, 16, None)
+        assert chunks[0][0] == 0 and chunks[-1][1] == widths.shape[0]
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])), "chunks must tile the rows"
+        for q0, q1 in chunks:
+            assert q1 > q0 and ((q1 - q0) * max(1, int(widths[q0:q1].max())) <= 1000 or q1 - q0 == 1)
+    chunks = scoring._kernel_chunks(single, 16, None)
+    assert chunks[0] == (0, 142), "the first rows read few columns: 142 rows x 7 columns"
+    assert chunks[-1][1] - chunks[-1][0] <= 3, "the last rows read 311 columns: 3 rows per chunk"
+    assert scoring._kernel_chunks(single, 16, 700) == [(q, min(q + 700, 5000)) for q in range(0, 5000, 700)]
+    assert scoring._kernel_chunks(single[:0], 16, None) == []
