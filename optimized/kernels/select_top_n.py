@@ -18,8 +18,9 @@ masks.top_n_blocks):
   that exist (j <= J) are written in ascending block order and the rest of the n slots get -1.
 
 The caller (scoring.selection_indices) runs this kernel only while masks.forced_blocks, masks.top_n_blocks and
-masks.ranked_blocks are the functions it implements; the band comes from masks.eq9_pool_weights and J from
-masks.current_sel_block at call time, so those two seams are honoured as they stand.
+masks.ranked_blocks are the functions it implements. The band is read from masks.eq9_pool_weights at each call
+and J is handed in (the caller's masks.current_sel_block of each row's document-relative position), so those two
+seams are honoured as they stand.
 
 Grid (tile of ROWS query rows, KV group, batch). A program holds its rows' NB block keys as one
 [ROWS, BLOCKS_PAD] int64 tile (about 2048 keys a program: 16 per thread with 4 warps).
