@@ -283,6 +283,17 @@ def test_selection_indices_fused_equal_the_torch_code(preset: str, packed: bool)
     assert torch.equal(O.select_blocks(scores, cfg, cu_seqlens=cu), fused)
 
 
+@pytest.mark.parametrize("T", [1, 7, 9])
+def test_selection_before_the_first_compressed_block(T: int) -> None:
+    """T < l (no compressed token: P has no column, the kernel reads nothing) and T just past l."""
+    x = make_inputs(SMALL, T, B=2, seed=T, dtype=torch.float32, device=DEVICE)
+    k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
+    fused = selection(x, k_cmp, SMALL)
+    with seam_replaced("top_n_blocks"):
+        assert torch.equal(selection(x, k_cmp, SMALL), fused)
+    assert (fused[..., 0] == 0).all() and (fused[..., 1:] == -1).all(), "only the forced block 0 exists"
+
+
 def test_selection_with_budget_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default chunks (_kernel_chunks) with a tiny P budget: many chunks of different row counts, the same
     indices as one chunk."""
