@@ -1,9 +1,10 @@
 """nsa_forward (prefill) and decode_step: the three vectorized branches combined by the gates (Eq. 5), with the
 Eq. 6 reads counted from the masks and index sets each branch applied.
 
-range_backend="triton" (issue 8) runs the compressed and window branches on the range-attention kernel and
-Eq. 8 + 10 on the group-scores kernel (reusing the compressed branch's log-sum-exp), in the inputs' own precision
-with fp32 accumulation; the selected branch follows `backend` as before. The torch default keeps the
+range_backend="triton" (issue 8) runs the compressed and window branches on the range-attention kernel,
+Eq. 8 + 10 on the group-scores kernel (reusing the compressed branch's log-sum-exp) and Eq. 9-11 on the top-n
+kernel, in the inputs' own precision with fp32 accumulation, and Eq. 5 in one kernel; the selected branch
+follows `backend` as before. The torch default keeps the
 next-wider-dtype arithmetic of optimized.masked_attention."""
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ def _nsa_forward_rows_on_kernels(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NS
                                  docs: Documents | None) -> NSAOutput:
     """nsa_forward_rows with range_backend="triton": every branch reads the inputs in their own dtype (fp32
     accumulation inside the kernels); Eq. 7 runs in the compute dtype and is rounded to q's dtype, as compress()
-    returns it; Eq. 5 is summed in the compute dtype and rounded once."""
+    returns it; Eq. 5 is summed in the compute dtype and rounded once, in one kernel (optimized/kernels/gated_sum.py:
+    bitwise the torch expression gated_sum(...widened...).to(q.dtype), with its gradients)."""
+    from .kernels.gated_sum import gated_sum_kernel
+
     cd = compute_dtype(q.dtype)
     k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v, cfg, phi, docs=docs)
     k_cmp, v_cmp = k_cmp.to(q.dtype), v_cmp.to(q.dtype)
@@ -105,8 +109,8 @@ def _nsa_forward_rows_on_kernels(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NS
     o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions, backend=backend,
                                                chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype, docs=docs)
     o_win, reads_win = window_attention_kernel_rows(q, kv.win.k, kv.win.v, cfg, positions, docs)
-    o = gated_sum(gates.to(cd), o_cmp.to(cd), o_slc.to(cd), o_win.to(cd))
-    return NSAOutput(o=o.to(q.dtype), indices=indices, o_cmp=o_cmp, o_slc=o_slc.to(q.dtype), o_win=o_win,
+    o = gated_sum_kernel(gates, o_cmp, o_slc, o_win, compute=cd, dtype=q.dtype)  # Eq. 5 in one pass
+    return NSAOutput(o=o, indices=indices, o_cmp=o_cmp, o_slc=o_slc.to(q.dtype), o_win=o_win,
                      reads=Reads(cmp=reads_cmp, slc=reads_slc, win=reads_win))
 
 

@@ -9,12 +9,18 @@ indices of a row do not depend on which other rows (chunk, batch) are computed w
 
 range_backend="triton" (issue 8): Eq. 8 and Eq. 10 run fused in the group-scores kernel
 (optimized/kernels/group_scores.py) on the inputs' own precision (fp32/bf16/fp16, fp32 accumulation), with the
-compressed branch's log-sum-exp as the softmax normaliser; Eq. 9 and Eq. 11 are the same code as below.
+compressed branch's log-sum-exp as the softmax normaliser. selection_indices then runs Eq. 9-11 in the fused
+top-n kernel (optimized/kernels/select_top_n.py: the same indices, bitwise, as the code below gives on the same
+scores), so a scoring chunk is two launches. The materialized selection_scores, and selection_indices while an
+Eq. 11 seam the kernel implements is replaced (top_n_seams_are_kernel_rules), run Eq. 9 and Eq. 11 as the torch
+code below.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -104,16 +110,44 @@ def _packed_chunk_scores(q_chunk: Tensor, k_cmp: Tensor, positions: Tensor, n_se
     return scores.masked_fill(after_current[None, :, None, :], float("-inf"))
 
 
-def _kernel_scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
-                   docs: Documents | None, cmp_softmax: CompressedSoftmax | None):
-    """scores(q0, q1) for range_backend="triton": Eq. 8 + 10 in the group-scores kernel over each row's visible
-    compressed tokens (ranges.compressed_ranges, from the seam masks.compressed_block_visible; document-local
-    columns, as _packed_chunk_scores), then Eq. 9 (pool_eq9, linear, so pooling the head sum equals summing the
-    pooled heads) and -inf past J, as _chunk_scores. q and k_cmp in the kernel dtype. cmp_softmax: the compressed
-    branch's ranges and normaliser for these rows when the caller has them (nsa_forward); otherwise both are
-    computed here, for every row at once."""
+@dataclass(frozen=True)
+class _KernelRows:
+    """What the group-scores kernel needs for every query row (range_backend="triton"), built once per call:
+    q and k_cmp in the kernel dtype, the rows' compressed ranges [lo, hi] (int32 [TQ]), the compressed branch's
+    base-2 log-sum-exp (None for the "logits" score), the range widths on the host (each chunk's width without a
+    device sync) and the document-relative positions."""
+
+    q: Tensor
+    k_cmp: Tensor
+    lo: Tensor
+    hi: Tensor
+    lse2: Tensor | None
+    widths: Tensor
+    relative: Tensor
+
+    def group_scores(self, q0: int, q1: int, *, zero_fill: bool = True) -> Tensor:
+        """P [B, q1 - q0, Hkv, width] fp32 of rows q0..q1-1: Eq. 8 + Eq. 10 (sum) in the group-scores kernel,
+        width the widest range of these rows. zero_fill=False leaves the entries past each row's range unwritten
+        (the fused top-n kernel never reads them)."""
+        from .kernels.group_scores import group_scores
+
+        q = self.q[:, q0:q1]
+        B, C, Hq, dk = q.shape
+        width = int(self.widths[q0:q1].max()) if q1 > q0 else 0
+        out = None if zero_fill else torch.empty((B, C, self.k_cmp.shape[2], width), dtype=torch.float32,
+                                                 device=q.device)
+        lse2 = None if self.lse2 is None else self.lse2[:, q0:q1]
+        return group_scores(q, self.k_cmp, self.lo[q0:q1], self.hi[q0:q1], lse2, width, 1.0 / math.sqrt(dk),
+                            logits=self.lse2 is None, out=out)
+
+
+def _kernel_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, docs: Documents | None,
+                 cmp_softmax: CompressedSoftmax | None) -> _KernelRows:
+    """_KernelRows of queries q at positions over k_cmp (both in the kernel dtype): each row's visible compressed
+    tokens (ranges.compressed_ranges, from the seam masks.compressed_block_visible; document-local columns, as
+    _packed_chunk_scores). cmp_softmax: the compressed branch's ranges and normaliser for these rows when the
+    caller has them (nsa_forward); otherwise both are computed here, for every row at once."""
     from .kernels import range_logsumexp2
-    from .kernels.group_scores import group_scores
     from .kernels.range_attention import check_range_inputs
 
     logits = cfg.selection_score == "logits"
@@ -121,32 +155,97 @@ def _kernel_scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, 
         lo, hi = check_range_inputs(q, k_cmp, None, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs))
         lse2 = None if logits else range_logsumexp2(q, k_cmp, lo, hi)
     else:
-        lo, hi, lse2 = cmp_softmax.lo, cmp_softmax.hi, cmp_softmax.lse2
+        lo, hi, lse2 = cmp_softmax.lo, cmp_softmax.hi, None if logits else cmp_softmax.lse2
     widths = torch.clamp(hi - lo + 1, min=0).cpu()  # one copy to the host: each chunk's width without a sync
     relative = positions if docs is None else docs.relative(positions)
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    return _KernelRows(q, k_cmp, lo, hi, lse2, widths, relative)
+
+
+def _kernel_scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
+                   docs: Documents | None, cmp_softmax: CompressedSoftmax | None):
+    """scores(q0, q1) for range_backend="triton" (the materialized scores, and selection_indices while a top-n
+    seam is replaced): Eq. 8 + 10 in the group-scores kernel (_KernelRows), then Eq. 9 (pool_eq9, linear, so
+    pooling the head sum equals summing the pooled heads) and -inf past J, as _chunk_scores. q and k_cmp in the
+    kernel dtype."""
+    rows = _kernel_rows(q, k_cmp, cfg, positions, docs, cmp_softmax)
     group = cfg.n_heads // cfg.n_kv_heads
 
     def scores(q0: int, q1: int) -> Tensor:
-        width = int(widths[q0:q1].max()) if q1 > q0 else 0
-        p_group = group_scores(q[:, q0:q1], k_cmp, lo[q0:q1], hi[q0:q1], None if logits else lse2[:, q0:q1],
-                               width, scale, logits=logits)  # Eq. 8 + Eq. 10 (sum)
+        p_group = rows.group_scores(q0, q1)  # Eq. 8 + Eq. 10 (sum)
         if cfg.group_reduce == "mean":
             p_group = p_group / group
         p_slc = pool_eq9(p_group, n_sel_blocks, cfg)  # Eq. 9
         sel = torch.arange(n_sel_blocks, device=q.device)
-        after_current = sel[None, :] > masks.current_sel_block(relative[q0:q1], cfg)[:, None]
+        after_current = sel[None, :] > masks.current_sel_block(rows.relative[q0:q1], cfg)[:, None]
         return p_slc.masked_fill(after_current[None, :, None, :], float("-inf"))
 
     return scores
 
 
+# The Eq. 11 seams the fused top-n kernel implements (optimized/kernels/select_top_n.py), as imported: with
+# another function in any of them (the conformance self-test plants bugs that way) selection_indices runs the
+# torch code. The kernel takes the Eq. 9 band (masks.eq9_pool_weights) and J (masks.current_sel_block) from the
+# seams at call time, so those two are honoured either way.
+_TOP_N_KERNEL_SEAMS = {name: getattr(masks, name) for name in ("forced_blocks", "top_n_blocks", "ranked_blocks")}
+
+
+def top_n_seams_are_kernel_rules() -> bool:
+    """True while masks.forced_blocks, top_n_blocks and ranked_blocks are the functions the top-n kernel
+    implements."""
+    return all(getattr(masks, name) is rule for name, rule in _TOP_N_KERNEL_SEAMS.items())
+
+
+# Scoring chunks of the fused kernel path: the group-scores kernel writes a chunk's P [B, C, Hkv, width] fp32 and
+# the top-n kernel reads it straight back, so a chunk holds as many rows as keep P within this budget, which stays
+# in the H100's 50 MB L2 next to the chunk's k_cmp (4 MB at 64k, d_k = 128, bf16), q rows (~6 MB) and indices.
+# Measured (perf/NOTES.md, 2026-11-25): chunks 16x the per-head size (P ~200 MB at 64k) made the 64k forward 17%
+# slower than per-head chunks (P ~13 MB), as P and the ~30 torch temporaries per chunk then streamed through HBM.
+# Fewer chunks still pay: each costs two launches and ~50-100 us of host work (wrappers, Triton's launcher), about
+# a 16 MiB chunk's GPU time at 64k, so the budget takes the top of the L2-resident range (24 MiB, not 16) to keep
+# the host ahead. Sizing by the width each chunk actually has (a row reads ~p/d compressed tokens) rather than by N
+# gives early rows larger chunks: 88 chunks at 64k instead of 322, 344 at 128k instead of 1286, 3 at 8k instead of 5.
+KERNEL_CHUNK_P_BYTES = 24 * 2**20
+
+
+def _kernel_chunks(widths: Tensor, bytes_per_column: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    """Query chunks of the fused kernel path: chunk_size rows each when given, else consecutive chunks of as many
+    rows as keep rows x (widest range up to the chunk's last row) x bytes_per_column within KERNEL_CHUNK_P_BYTES
+    (the running maximum bounds the chunk's own widest range; it equals the row's width for one sequence, whose
+    widths never decrease). widths: int64 [TQ] on the host."""
+    n_rows = widths.shape[0]
+    if chunk_size is not None:
+        return query_chunks(n_rows, chunk_size)
+    budget = max(1, KERNEL_CHUNK_P_BYTES // bytes_per_column)  # rows x columns per chunk
+    bound = torch.cummax(widths.clamp(min=1), 0).values.tolist() if n_rows else []
+    chunks, q0 = [], 0
+    while q0 < n_rows:
+        # rows x bound[q0 + rows - 1] grows with rows: the most rows within the budget (at least one)
+        rows = bisect_right(range(1, n_rows - q0 + 1), budget, key=lambda r: r * bound[q0 + r - 1])
+        chunks.append((q0, q0 + max(1, rows)))
+        q0 = chunks[-1][1]
+    return chunks
+
+
+def _kernel_selection(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int,
+                      docs: Documents | None, cmp_softmax: CompressedSoftmax | None, chunk_size: int | None,
+                      out: Tensor) -> None:
+    """selection_indices on the kernels into out [B, TQ, Hkv, n]: per chunk the group-scores kernel (Eq. 8 + 10,
+    P without the zero fill) and the top-n kernel (Eq. 9-11, writing the chunk's rows of out), two launches.
+    J comes from the document-relative positions (masks.current_sel_block), once for every row."""
+    from .kernels.select_top_n import select_top_n
+
+    rows = _kernel_rows(q, k_cmp, cfg, positions, docs, cmp_softmax)
+    current = masks.current_sel_block(rows.relative, cfg)
+    B, Hkv = q.shape[0], k_cmp.shape[2]
+    for q0, q1 in _kernel_chunks(rows.widths, B * Hkv * 4, chunk_size):
+        select_top_n(rows.group_scores(q0, q1, zero_fill=False), rows.lo[q0:q1], rows.hi[q0:q1], current[q0:q1],
+                     n_sel_blocks, cfg, out=out[:, q0:q1])
+
+
 def _score_chunk_size(q: Tensor, n_columns: int, n_sel_blocks: int, chunk_size: int | None) -> int:
     """Query rows per scoring chunk: chunk_size, or as many as keep the torch path's per-head temporaries within
-    CHUNK_ELEMENTS. The kernel path holds 1/group of that (one column set per KV group) and keeps the same chunks:
-    the H100 sweep with chunks sized per KV group (16x larger, past the 50 MB L2) measured the layer's 64k forward
-    17% slower than the sweep before it; the chunk size is the likeliest of that commit's changes (not bisected;
-    perf/NOTES.md, runs of 2026-11-25)."""
+    CHUNK_ELEMENTS. The kernel path's materialized scores (1/group of that per chunk) keep the same chunks;
+    selection_indices on the kernels sizes its chunks by P (_kernel_chunks)."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of query positions, got {chunk_size}")
@@ -249,7 +348,8 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     The result does not depend on chunk_size or on the batch (bitwise).
     cu_seqlens (packed batch over the n_keys keys, B = 1; k_cmp packed) or its prebuilt layout docs:
     document-relative indices, as each document alone would select.
-    range_backend: "torch" or "triton" (Eq. 8 + 10 in the group-scores kernel; module docstring); cmp_softmax:
+    range_backend: "torch" or "triton" (Eq. 8 + 10 in the group-scores kernel, Eq. 9-11 in the top-n kernel,
+    chunks sized by _kernel_chunks unless chunk_size is given; module docstring); cmp_softmax:
     the compressed branch's ranges and base-2 log-sum-exp for these queries when the caller has them
     (nsa_forward with range_backend="triton")."""
     _check_scoring_inputs(q, k_cmp, cfg)
@@ -266,6 +366,10 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     n_sel_blocks = sel_block_count(n_keys, cfg) if docs is None else docs.n_sel_blocks
     q = q.detach()
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
+    if range_backend == "triton" and top_n_seams_are_kernel_rules():
+        _kernel_selection(q, k_cmp.detach().to(q.dtype), cfg, positions, n_sel_blocks, docs, cmp_softmax,
+                          chunk_size, out)
+        return out
     scores = _scorer(q, k_cmp.detach(), cfg, positions, n_sel_blocks, docs, range_backend, cmp_softmax)
     n_columns = _score_columns(k_cmp.shape[1], docs)
     for q0, q1 in query_chunks(TQ, _score_chunk_size(q, n_columns, n_sel_blocks, chunk_size)):

@@ -6,8 +6,8 @@
 #
 #   bash scripts/gpu_session.sh checks [seconds]   conformance-gpu (nox, fp32 + bf16), then the kernel tests and
 #                                                  the parity suite's range-kernel runs (pytest-xdist)
-#   bash scripts/gpu_session.sh range [seconds]    only the range-kernel and packed-kernel tests and the parity
-#                                                  suite's range-kernel runs (after a kernel change)
+#   bash scripts/gpu_session.sh range [seconds]    only the range-kernel, top-n, gated-sum and packed-kernel tests and
+#                                                  the parity suite's range-kernel runs (after a kernel change)
 #   bash scripts/gpu_session.sh perf [seconds]     perf sweep of SDPA, nsa (torch path) and nsa[range_backend=triton]:
 #                                                  packed documents, then the single sequence, one results folder
 #   bash scripts/gpu_session.sh gate [seconds]     the launch gate end to end for configs/prod-125m.yaml on the local
@@ -50,6 +50,8 @@ case "$MODE" in
     OUT=$STAGE NSA_REPORT_DIR=$STAGE/reports/parity timeout -k 15 $(( $(left) - 20 )) \
       python3 -m pytest -v --tb=short -rfE --durations=15 -p no:cacheprovider -n 8 \
       conformance/test_kernel_range_attention.py conformance/test_kernel_range_attention_gpu.py \
+      conformance/test_kernel_select_top_n.py conformance/test_kernel_select_top_n_gpu.py \
+      conformance/test_kernel_gated_sum.py \
       conformance/test_kernel_selected_attention.py conformance/test_kernel_selected_attention_gpu.py \
       conformance/test_parity_gpu.py \
       -k "(not test_parity_gpu or (range and not 8192)) and (not test_kernel_selected_attention_gpu or (parity_with_naive and bf16))" \
@@ -61,8 +63,9 @@ case "$MODE" in
     OUT=$STAGE NSA_REPORT_DIR=$STAGE/reports/parity timeout -k 15 $(( $(left) - 20 )) \
       python3 -m pytest -v --tb=short -rfE --durations=15 -p no:cacheprovider -n 8 \
       conformance/test_kernel_range_attention.py conformance/test_kernel_range_attention_gpu.py \
-      conformance/test_kernel_selected_attention.py conformance/test_parity_gpu.py \
-      -k "test_kernel_range_attention or (test_kernel_selected_attention and packed) or (test_parity_gpu and range and not 8192)" \
+      conformance/test_kernel_select_top_n.py conformance/test_kernel_select_top_n_gpu.py \
+      conformance/test_kernel_gated_sum.py conformance/test_kernel_selected_attention.py conformance/test_parity_gpu.py \
+      -k "test_kernel_range_attention or test_kernel_select_top_n or test_kernel_gated_sum or (test_kernel_selected_attention and packed) or (test_parity_gpu and range and not 8192)" \
       > "$STAGE/range_tests.log" 2>&1
     echo "exit $?" >> "$STAGE/range_tests.log"
     pack

@@ -32,6 +32,7 @@ def test_finish_gpu_report_stamps_versions_writes_and_prints(tmp_path, monkeypat
 
     from conformance.helpers import finish_gpu_report
 
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the part is "main" outside xdist, as asserted below
     lines = []
     terminal = SimpleNamespace(write_line=lines.append)
     request = SimpleNamespace(config=SimpleNamespace(pluginmanager=SimpleNamespace(getplugin=lambda name: terminal)))

@@ -95,15 +95,23 @@ def _group_scores_kernel(
 
 
 def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor | None, width: int, scale: float,
-                 *, logits: bool = False, tiling: RangeTiling | None = None) -> Tensor:
+                 *, logits: bool = False, tiling: RangeTiling | None = None, out: Tensor | None = None) -> Tensor:
     """P [B, TQ, Hkv, width] fp32 (zeros past each row's range) for queries q [B, TQ, Hq, dk] over the compressed
     tokens k_cmp [B, N, Hkv, dk], row t reading [lo[t], hi[t]] (int32 [TQ], non-decreasing, as
     range_attention.check_range_inputs validates; hi - lo < width). lse2 [B, TQ, Hq]: the compressed branch's
-    base-2 log-sum-exp (range_attention_lse2 / range_logsumexp2), unused with logits=True."""
+    base-2 log-sum-exp (range_attention_lse2 / range_logsumexp2), unused with logits=True.
+    out: an fp32 [B, TQ, Hkv, width] tensor with a contiguous last dim to write instead of a new zeroed one; its
+    entries past each row's range are left as they are (the fused top-n kernel reads only each row's range, so
+    the scorer skips the zero fill)."""
     B, TQ, Hq, dk = q.shape
     N, Hkv = k_cmp.shape[1], k_cmp.shape[2]
     group = Hq // Hkv
-    out = torch.zeros((B, TQ, Hkv, width), device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.zeros((B, TQ, Hkv, width), device=q.device, dtype=torch.float32)
+    elif (out.dtype != torch.float32 or tuple(out.shape) != (B, TQ, Hkv, width)
+          or (out.numel() and out.stride(-1) != 1)):
+        raise ValueError(f"group_scores: out must be a float32 tensor [B, TQ, Hkv, width] = {[B, TQ, Hkv, width]} "
+                         f"with a contiguous last dim, got {out.dtype} {tuple(out.shape)}")
     if B * TQ * Hkv == 0 or width == 0 or N == 0:
         return out
     q, k_cmp = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cmp))

@@ -1,0 +1,116 @@
+"""The Eq. 5 kernel of the range-kernel path (optimized/kernels/gated_sum.py) against the torch expression it
+replaces, g_cmp o_cmp + g_slc o_slc + g_win o_win in the compute dtype rounded once: output and gradients must be
+IDENTICAL (bitwise).
+
+Without CUDA the kernel runs in Triton's interpreter on fp32 (fp64 arithmetic) and fp16 (fp32 arithmetic) inputs;
+bf16 outputs need the GPU: the interpreter converts fp32 to bf16 by truncating (triton.runtime.interpreter
+_convert_float), where the GPU rounds to nearest even as torch does. With CUDA every case runs compiled, bf16
+and a paper-sized layer output included (scripts/gpu_session.sh checks / range).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optimized as O
+from conformance.helpers import make_inputs
+from optimized.forward import gated_sum
+from optimized.kernels.gated_sum import gated_sum_kernel
+from optimized.masked_attention import compute_dtype
+from reference.config import NSAConfig
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_gpu_rounding = pytest.mark.skipif(not CUDA, reason="the interpreter truncates fp32 -> bf16 (module docstring)")
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=needs_gpu_rounding)]
+
+
+def torch_expression(gates, o_cmp, o_slc, o_win, dtype):
+    """What _nsa_forward_rows_on_kernels computed before the kernel: Eq. 5 on widened copies, rounded once."""
+    cd = compute_dtype(dtype)
+    return gated_sum(gates.to(cd), o_cmp.to(cd), o_slc.to(cd), o_win.to(cd)).to(dtype)
+
+
+def branch_outputs(shape, dtype, seed: int, slc_dtype=None):
+    """gates in (0, 1) and three branch outputs (o_slc in slc_dtype: the selected branch hands the compute dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    gates = torch.rand((*shape[:3], 3), generator=g).to(DEVICE, dtype)
+    outs = [(torch.randn(shape, generator=g) * 4).to(DEVICE, d) for d in (dtype, slc_dtype or dtype, dtype)]
+    return gates, outs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 37, 5, 100), (1, 9, 3, 6), (1, 130, 4, 128), (1, 3, 2, 256)])
+def test_forward_is_the_torch_expression(shape, dtype) -> None:
+    gates, outs = branch_outputs(shape, dtype, seed=sum(shape))
+    got = gated_sum_kernel(gates, *outs, compute=compute_dtype(dtype), dtype=dtype)
+    assert got.dtype == dtype and got.shape == outs[0].shape
+    assert torch.equal(got, torch_expression(gates, *outs, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_dtypes_and_strided_views(dtype) -> None:
+    """o_slc in the compute dtype (as selected_attention_rows returns it), gates a slice of a wider tensor, the
+    branch outputs transposed views."""
+    cd = compute_dtype(dtype)
+    gates, outs = branch_outputs((2, 21, 6, 40), dtype, seed=1, slc_dtype=cd)
+    wide = torch.cat([gates, torch.ones_like(gates)], dim=-1)[..., :3]
+    views = [o.transpose(1, 2).contiguous().transpose(1, 2) for o in outs]
+    got = gated_sum_kernel(wide, *views, compute=cd, dtype=dtype)
+    assert torch.equal(got, torch_expression(gates, *outs, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("needs", ["all", "gates", "outputs"])
+def test_backward_is_the_torch_expressions(dtype, needs: str) -> None:
+    """Gradients bitwise those of autograd through the torch expression (the backward is its arithmetic), for
+    any subset of inputs that needs them; o_slc in the compute dtype."""
+    cd = compute_dtype(dtype)
+    gates, outs = branch_outputs((2, 19, 4, 24), dtype, seed=2, slc_dtype=cd)
+    leaves = [gates.requires_grad_(needs != "outputs")] + [o.requires_grad_(needs != "gates") for o in outs]
+    wanted = [x for x in leaves if x.requires_grad]
+    do = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    got = torch.autograd.grad(gated_sum_kernel(*leaves, compute=cd, dtype=dtype), wanted, do)
+    want = torch.autograd.grad(torch_expression(*leaves, dtype), wanted, do)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_layer_output_on_the_kernel_path_is_the_gated_sum_of_its_branches() -> None:
+    """nsa_forward(range_backend="triton") returns o = Eq. 5 of the o_cmp, o_slc, o_win it returns (fp16: o_slc
+    is its kernel's fp16 output widened, so rounding it back loses nothing)."""
+    cfg = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, n_init=1, n_local=1, window=6, n_heads=4,
+                    n_kv_heads=2, head_dim_qk=16, head_dim_v=16, phi="avg")
+    dtype = torch.float16
+    x = make_inputs(cfg, 40, seed=5, dtype=dtype, device=DEVICE)
+    out = O.nsa_forward(x.q, x.kv, x.gates, cfg, backend="triton", range_backend="triton")
+    assert torch.equal(out.o, torch_expression(x.gates, out.o_cmp, out.o_slc, out.o_win, dtype))
+
+
+def test_bad_inputs_raise_value_errors() -> None:
+    gates, outs = branch_outputs((1, 4, 2, 8), torch.float32, seed=0)
+    with pytest.raises(ValueError, match="o_slc must be a 4-D fp64/fp32/bf16/fp16 tensor"):
+        gated_sum_kernel(gates, outs[0], outs[1].int(), outs[2], compute=torch.float64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="must share one shape"):
+        gated_sum_kernel(gates, outs[0], outs[1][..., :4], outs[2], compute=torch.float64, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"gates must be \[B, T, Hq, 3\]"):
+        gated_sum_kernel(gates[..., :2], *outs, compute=torch.float64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="compute must be one of"):
+        gated_sum_kernel(gates, *outs, compute=torch.float16, dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_paper_heads_8k_bf16() -> None:
+    """The perf sweep's layer output at T = 8192 (64 heads, d_v 128, bf16; o_slc fp32 as the selected branch
+    hands it): output and gradients bitwise the torch expression's."""
+    dtype = torch.bfloat16
+    gates, outs = branch_outputs((1, 8192, 64, 128), dtype, seed=9, slc_dtype=torch.float32)
+    leaves = [gates.requires_grad_()] + [o.requires_grad_() for o in outs]
+    do = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(10)).to(DEVICE, dtype)
+    got = gated_sum_kernel(*leaves, compute=torch.float32, dtype=dtype)
+    want = torch_expression(*leaves, dtype)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, leaves, do), torch.autograd.grad(want, leaves, do)):
+        assert torch.equal(a, b)
