@@ -112,6 +112,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     cache's (k, v) buffers [B, Hkv, slots + 1, D]. n_cmp_slots / n_sel_blocks: static bounds on the compressed tokens
     and selection blocks any row can see (from the capture horizon); splits: default step_splits."""
     _validate(q, gates, compressed, history, window, rules, n_cmp_slots, n_sel_blocks)
+    n_cmp_slots = max(1, n_cmp_slots)  # the logits' row width (a slot never emitted is never visible, never read)
     B, _, Hq, dk = q.shape
     Hkv, dv = history[0].shape[1], history[1].shape[3]
     group, rows, dev = Hq // Hkv, B * Hkv, q.device
@@ -151,7 +152,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
 
     # compressed splits: partials and the Eq. 8 input of every visible compressed token
     cmp_parts = Partials.empty(rows, splits.cmp, block_h, block_dv, dev)
-    logits = torch.empty((rows, group, max(1, n_cmp_slots)), dtype=torch.float32, device=dev)
+    logits = torch.empty((rows, group, n_cmp_slots), dtype=torch.float32, device=dev)
     k_cmp, v_cmp = compressed
     _compressed_split_kernel[(rows, splits.cmp)](
         q, k_cmp, v_cmp, lengths, n_new, logits, cmp_parts.o, cmp_parts.m, cmp_parts.l, cmp_parts.reads,
@@ -170,7 +171,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
         lengths, n_new, logits, cmp_parts.o, cmp_parts.m, cmp_parts.l, cmp_parts.reads, out.o_cmp, out.reads_cmp,
         lists,
         out.o_cmp.stride(0), out.o_cmp.stride(2),
-        max(1, n_cmp_slots), splits.cmp, blocks_per_list, splits.lists,
+        n_cmp_slots, splits.cmp, blocks_per_list, splits.lists,
         HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
         CMP_BLOCK=rules.cmp_block, CMP_STRIDE=rules.cmp_stride, SEL_BLOCK=rules.sel_block,
         N_INIT=rules.n_init, N_LOCAL=rules.n_local, N_SEL=rules.n_sel, N_PAD=n_pad,
