@@ -335,6 +335,23 @@ def test_lean_step_equals_seam_path_and_prefill(variant):
     lean_run(cfg, x, [29, 22], STEPS)
 
 
+@st.composite
+def lean_cases(draw):
+    preset = PRESETS[draw(st.sampled_from(sorted(PRESETS)))]
+    cfg = draw(configs(preset, phi=draw(st.sampled_from(["avg", "mlp"]))))
+    steps = draw(st.lists(st.sampled_from([[1, 1], [1, 0], [0, 1]]), min_size=1, max_size=5))
+    return cfg, draw(st.integers(0, 16)), steps, draw(st.integers(0, 2**16))
+
+
+@given(lean_cases())
+def test_lean_step_equals_seam_path_on_small_configs(case):
+    """Hypothesis over small configs of every preset (d = 1, l' = 1, odd head dims and groups included): steps after
+    prompts of p and p - 3 tokens."""
+    cfg, prompt, steps, seed = case
+    x = make_inputs(cfg, prompt + len(steps), B=2, seed=seed, dtype=torch.float32)
+    lean_run(cfg, x, [prompt, max(0, prompt - 3)], steps)
+
+
 def test_lean_step_with_several_splits(monkeypatch):
     """Several compressed splits (two key tiles of 16 in the interpreter), select lists, selected splits and window
     splits (a 20-slot window: two key tiles) give the same step."""

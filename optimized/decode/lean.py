@@ -47,6 +47,12 @@ def step_rules(cfg: NSAConfig):
     from optimized.kernels.decode_step import StepRules
 
     band = masks.eq9_pool_weights(cfg)
+    l, d, lp = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
+    overlap = tuple(float(min(r * d + l, lp) - max(r * d, 0)) / d
+                    for r in range(band.first_offset, band.first_offset + len(band.weights)))
+    if overlap != tuple(band.weights):  # the kernels recompute the weights from l, d, l' (decode_step_cmp._eq9_term)
+        raise RuntimeError(f"masks.eq9_pool_weights gives {band} for {cfg}, not the overlap band {overlap} the lean "
+                           "kernels compute")
     return StepRules(cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, sel_block=cfg.sel_block, n_sel=cfg.n_sel,
                      n_init=cfg.n_init, n_local=cfg.n_local, window_size=cfg.window_size,
                      strict_visibility=cfg.cmp_visibility == "strict", logit_scores=cfg.selection_score == "logits",
