@@ -82,7 +82,7 @@ case "$MODE" in
     pack
     ;;
   decode)
-    OUT=$STAGE timeout -k 15 $(( $(left) * 45 / 100 )) python3 -m pytest -v --tb=short -rfE --durations=15 \
+    OUT=$STAGE timeout -k 15 $(( $(left) / 2 )) python3 -m pytest -v --tb=short -rfE --durations=15 \
       -p no:cacheprovider -m gpu tests/test_decode_gpu.py > "$STAGE/decode_gpu_tests.log" 2>&1
     echo "exit $?" >> "$STAGE/decode_gpu_tests.log"
     pack
