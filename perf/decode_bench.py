@@ -4,14 +4,16 @@ For each context s and batch B: an NSADecodeCache (bf16, 64 query heads in 4 KV 
 l, d, l', n, w, phi = MLP) is filled with s - 1 random tokens; one decode step then appends token s - 1 (Table 4's
 step at context s) and the next ones. Both sides run as CUDA graphs and are timed with CUDA events around each
 replay, after an L2 flush, median over the timed steps:
-- NSA: DecodeGraph replays of cache.step (appends to the three branch caches, emits compressed tokens when a block
-  completes, compressed attention + Eq. 8-11 selection + selected + window attention, gates);
+- NSA: DecodeGraph replays of cache.step: on the kernel path the lean step (docs/decode.md): five Triton launches
+  (append to the three branch caches, compressed splits, combine + Eq. 8-11 selection, selected + window splits,
+  gates), plus the Eq. 7 emission in torch on the steps that complete a compressed block;
 - SDPA: the new key/value written into the same selection-branch history, then
   F.scaled_dot_product_attention over its first s keys; the faster of two GQA forms (the 16 query heads of a KV
   group as 16 query rows of it, or enable_gqa=True) is the baseline.
 Reads: the tokens the first NSA step gathered (counted by the kernels), next to Table 4's model s/d + n*l' + w.
 
     python -m perf.decode_bench                      # H100 sweep -> $OUT/decode or reports/decode
+    python -m perf.decode_bench --compile            # the same with the torch stages through torch.compile
     python -m perf.decode_bench --device cpu --tiny  # CPU smoke run of the same code paths (eager, no graphs)
 
 Writes decode_bench.csv, decode_bench.md (table next to Table 4), decode_bench.png and decode_bench.json.
@@ -27,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,6 +66,7 @@ class Case:
     table4_tokens: int | None = None
     table4_speedup: float | None = None
     compiled: bool = False
+    lean: bool = False  # the step ran the lean kernel path
     timed_steps: int = 0
     setup_s: float = 0.0
     note: str = ""
@@ -121,6 +125,7 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
         torch.randn((batch, context - 1, cfg.n_kv_heads, cfg.head_dim_v), generator=g, device=device, dtype=dtype))
     cache.fill(prompt)
     del prompt
+    case.lean = cache.uses_lean_step()
     q = torch.randn((batch, 1, cfg.n_heads, cfg.head_dim_qk), generator=g, device=device, dtype=dtype)
     new = random_tokens(cfg, batch, 1, dtype, device, g)
     gates = torch.rand((batch, 1, cfg.n_heads, 3), generator=g, device=device, dtype=dtype)
@@ -269,7 +274,8 @@ def markdown(cases: list[Case], env: dict, cfg: NSAConfig) -> str:
         f"{env['dtype']}, {cfg.n_heads} query heads in {cfg.n_kv_heads} KV groups, d_k = {cfg.head_dim_qk}, "
         f"d_v = {cfg.head_dim_v}; l = {cfg.cmp_block}, d = {cfg.cmp_stride}, l' = {cfg.sel_block}, n = {cfg.n_sel}, "
         f"w = {cfg.window}, phi = {cfg.phi}. {env['timing']}, median of {env['steps']} steps after {env['warmup']} "
-        f"warm-up steps; torch.compile of the NSA torch stages: {env['compile']}.",
+        f"warm-up steps; torch.compile of the NSA torch stages: {env['compile']}; lean step (five launches): "
+        f"{', '.join(sorted({'yes' if c.lean else 'no' for c in cases if c.timed_steps})) or '-'}.",
         "",
         "| context | batch | NSA step (us) | NSA mean (us) | SDPA (us) | measured speedup | counted reads "
         "(cmp+slc+win) | counted speedup | Table 4 tokens | Table 4 speedup |",
@@ -333,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps per case")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps before them (the first gives the reads)")
-    parser.add_argument("--no-compile", dest="compile", action="store_false",
-                        help="run the NSA torch stages eagerly inside the graphs (no torch.compile)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="run the NSA torch stages through torch.compile inside the graphs (the lean step's "
+                        "Eq. 7 emission; the whole plan/selection/gate stages where the lean step does not apply); "
+                        "default off: the lean step needs no compilation")
     parser.add_argument("--tiny", action="store_true", help="small config and contexts (CPU smoke run)")
     parser.add_argument("--budget-s", type=float, default=270.0, help="skip cases that would start after this many "
                         "seconds (keeps the sweep under ~6 minutes)")
@@ -379,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                     case.note += f"compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:100]}); "
             except torch.cuda.OutOfMemoryError as exc:
                 case = Case(context, batch, note=f"out of memory: {str(exc).splitlines()[0][:80]}")
+            except Exception as exc:  # recorded, and the other cases still run
+                traceback.print_exc()
+                case = Case(context, batch, note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
             cases.append(case)
             print(f"context {context:>6} batch {batch:>2}: NSA {fmt(case.nsa_median_us)} us, SDPA "
                   f"{fmt(case.sdpa_median_us)} us ({case.sdpa_form}), speedup {fmt(case.measured_speedup, 2)}x, "

@@ -15,11 +15,14 @@
 #                                                  both GPU gates at once (the sentinels-gpu report is issue 5's GPU
 #                                                  run), then a launch with another config hash (must be refused) and
 #                                                  the authorized launch, stopped by .HALT after a few steps
+#   bash scripts/gpu_session.sh decode [seconds]   the decode GPU tests (tests/test_decode_gpu.py: lean step at the
+#                                                  paper layout, graphs, Table 4 reads at 64k), then the decode-step
+#                                                  benchmark (8k-128k x batch 1, 16) with the time left
 #
 # COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
 # `tar xzf gpu_session-<mode>.tgz -C <dir>`; reports/README.md says where each file is committed.
 set -u
-MODE=${1:?usage: gpu_session.sh checks|range|perf|gate [seconds]}
+MODE=${1:?usage: gpu_session.sh checks|range|perf|gate|decode [seconds]}
 BUDGET=${2:-400}
 REAL_OUT=${OUT:?OUT must name the folder whose files come back}
 STAGE=$(mktemp -d)
@@ -120,9 +123,19 @@ case "$MODE" in
     ls -la "$RUN_DIR" "$RUN_DIR/checkpoints" > "$STAGE/run/listing.txt" 2>&1
     pack
     ;;
+  decode)
+    OUT=$STAGE timeout -k 15 $(( $(left) / 2 )) python3 -m pytest -v --tb=short -rfE --durations=15 \
+      -p no:cacheprovider -m gpu tests/test_decode_gpu.py > "$STAGE/decode_gpu_tests.log" 2>&1
+    echo "exit $?" >> "$STAGE/decode_gpu_tests.log"
+    pack
+    OUT=$STAGE timeout -k 15 $(( $(left) - 10 )) python3 -m perf.decode_bench --budget-s $(( $(left) - 100 )) \
+      > "$STAGE/decode_bench.log" 2>&1
+    echo "exit $?" >> "$STAGE/decode_bench.log"
+    pack
+    ;;
   *)
-    echo "unknown mode $MODE (checks | range | perf | gate)" >&2
+    echo "unknown mode $MODE (checks | range | perf | gate | decode)" >&2
     exit 2
     ;;
 esac
-grep -hE "^(FAILED|ERROR)|passed|failed|^exit" "$STAGE"/*.log | tail -n 60
+grep -hE "^(FAILED|ERROR)|passed|failed|^exit|^context" "$STAGE"/*.log | tail -n 60

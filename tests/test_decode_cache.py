@@ -270,6 +270,142 @@ def test_triton_backend_decode_equals_prefill():
     assert cache.lengths.tolist() == [13, 11]
 
 
+# Lean step (optimized/decode/lean.py; the kernels in the interpreter) ------------------------------------------
+GARBAGE = 1e3  # padding tokens: large finite values that must never reach an output or the cache
+
+
+def row_tokens(x, starts: list[int], counts: list[int], width: int):
+    """q, kv, gates [B, width, ...]: row b holds its own tokens starts[b]..starts[b]+counts[b]-1 of x, right-padded
+    with GARBAGE."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for b, (start, n) in enumerate(zip(starts, counts)):
+            real = t[b:b + 1, start:start + n]
+            rows.append(torch.cat([real, torch.full((1, width - n, *t.shape[2:]), GARBAGE, dtype=t.dtype)], dim=1))
+        return torch.cat(rows)
+
+    kv = BranchKV(*(KV(take(b.k), take(b.v)) for b in (x.kv.cmp, x.kv.slc, x.kv.win)))
+    return take(x.q), kv, take(x.gates)
+
+
+def lean_run(cfg: NSAConfig, x, prompt: list[int], schedule: list[list[int]]) -> None:
+    """Fill both caches with each row's first prompt[b] tokens, then step: schedule[i][b] = 1 appends row b's next
+    token, 0 gives row b a padding query. Every step of the lean path (backend "triton") equals the seam-by-seam
+    torch path (fp32 <= 1e-5, indices and reads identical) and optimized.nsa_forward at the row's position; padding
+    queries give 0 / -1 / 0 reads; at the end every cache buffer is identical."""
+    B = len(prompt)
+    caches = {backend: NSADecodeCache(cfg, B, x.q.shape[1], phi=x.phi, backend=backend)
+              for backend in ("triton", "torch")}
+    assert caches["triton"].uses_lean_step() and not caches["torch"].uses_lean_step()
+    _, kv, _ = row_tokens(x, [0] * B, prompt, max(prompt))
+    for cache in caches.values():
+        cache.fill(kv, prompt)
+    prefill = as_dict(O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi))  # rows are independent sequences
+    used = list(prompt)
+    for counts in schedule:
+        args = row_tokens(x, used, counts, 1)
+        lean, torch_path = (as_dict(caches[backend].step(*args, lengths=counts)) for backend in ("triton", "torch"))
+        assert_same(lean, torch_path)
+        for b, n in enumerate(counts):
+            if n:
+                assert_same({k: v[b:b + 1] for k, v in lean.items()},
+                            {k: v[b:b + 1, used[b]:used[b] + 1] for k, v in prefill.items()})
+            else:
+                assert all(bool((v[b] == (-1 if k == "indices" else 0)).all()) for k, v in lean.items())
+        used = [u + n for u, n in zip(used, counts)]
+    for name in ("history", "window", "cmp_raw", "compressed"):
+        for part in ("k", "v"):
+            got, want = (getattr(getattr(caches[b], name).usable(), part) for b in ("triton", "torch"))
+            assert torch.equal(got, want), f"{name}.{part} differs"
+    assert all(c.lengths.tolist() == used and c.device_lengths.tolist() == used for c in caches.values())
+
+
+STEPS_FROM_EMPTY = [[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [0, 1], [1, 1], [1, 1], [1, 0], [1, 1]]
+STEPS = [[1, 1], [1, 0], [1, 1], [1, 1], [0, 1], [1, 1], [1, 1], [1, 1], [1, 0], [1, 1]]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_lean_step_equals_seam_path_and_prefill(variant):
+    """Every convention variant: steps from an empty cache (T < l, the first compressed emissions and selection
+    block) and after prompts of 29 and 22 tokens (more blocks than n, block boundary 32, window ring wrapped), with
+    padding queries and rows of different lengths."""
+    cfg = VARIANTS[variant]
+    x = make_inputs(cfg, 40, B=2, seed=sorted(VARIANTS).index(variant), dtype=torch.float32)
+    lean_run(cfg, x, [0, 0], STEPS_FROM_EMPTY)
+    lean_run(cfg, x, [29, 22], STEPS)
+
+
+@st.composite
+def lean_cases(draw):
+    preset = PRESETS[draw(st.sampled_from(sorted(PRESETS)))]
+    cfg = draw(configs(preset, phi=draw(st.sampled_from(["avg", "mlp"]))))
+    steps = draw(st.lists(st.sampled_from([[1, 1], [1, 0], [0, 1]]), min_size=1, max_size=5))
+    return cfg, draw(st.integers(0, 16)), steps, draw(st.integers(0, 2**16))
+
+
+@given(lean_cases())
+def test_lean_step_equals_seam_path_on_small_configs(case):
+    """Hypothesis over small configs of every preset (d = 1, l' = 1, odd head dims and groups included): steps after
+    prompts of p and p - 3 tokens."""
+    cfg, prompt, steps, seed = case
+    x = make_inputs(cfg, prompt + len(steps), B=2, seed=seed, dtype=torch.float32)
+    lean_run(cfg, x, [prompt, max(0, prompt - 3)], steps)
+
+
+def test_lean_step_with_several_splits(monkeypatch):
+    """Several compressed splits (two key tiles of 16 in the interpreter), select lists, selected splits and window
+    splits (a 20-slot window: two key tiles) give the same step."""
+    from optimized.kernels import decode_step
+
+    monkeypatch.setattr(decode_step, "step_splits", lambda *args: decode_step.StepSplits(cmp=3, lists=3, slc=3, win=2))
+    cfg = SMALL.replace(window=20, n_sel=4)
+    x = make_inputs(cfg, 52, B=2, seed=5, dtype=torch.float32)
+    lean_run(cfg, x, [45, 38], STEPS[:6])
+
+
+def test_lean_step_ties_like_top_n_blocks():
+    """q = 0: every compressed token gets the same probability, so the selection blocks' scores tie exactly
+    (interior blocks alike, whatever the summation order) and Eq. 11's rule (equal scores -> lower index) decides."""
+    cfg = SMALL.replace(n_sel=4)
+    x = make_inputs(cfg, 46, B=2, seed=6, dtype=torch.float32)
+    x.q.zero_()
+    lean_run(cfg, x, [40, 33], STEPS[:4])
+
+
+@pytest.mark.parametrize("seam", sorted(PLANTED) + ["pool_eq9"])
+def test_lean_step_does_not_run_with_a_replaced_seam(seam, monkeypatch):
+    """A replaced seam (even one computing the same thing) sends steps to the seam-by-seam path, so the planted
+    conventions of test_replaced_seam_changes_decode_like_prefill reach decode on the kernel backend too."""
+    from optimized import scoring
+    from optimized.decode import lean
+
+    cfg = SMALL.replace(window=3)
+    x = make_inputs(cfg, 44, seed=7, dtype=torch.float32)
+    assert NSADecodeCache(cfg, 1, 44, phi=x.phi, backend="triton").uses_lean_step()
+    if seam == "pool_eq9":
+        original = scoring.pool_eq9
+        monkeypatch.setattr(scoring, "pool_eq9", lambda *args: original(*args))
+    else:
+        monkeypatch.setattr(masks, seam, PLANTED[seam])
+    cache = NSADecodeCache(cfg, 1, 44, phi=x.phi, backend="triton")  # after the seam: the window ring asks it
+    assert not cache.uses_lean_step()
+    monkeypatch.setattr(lean, "lean_step", None)  # the lean step must not be reached
+    want = as_dict(O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi))
+    cache.fill(tokens(x.kv, 0, 41))
+    got = concat([cache.step(x.q[:, t:t + 1], tokens(x.kv, t, t + 1), x.gates[:, t:t + 1]) for t in (41, 42, 43)])
+    assert_same(got, {k: v[:, 41:] for k, v in want.items()})
+
+
+def test_lean_step_applies_to_kernel_steps_only():
+    cfg = SMALL.replace(phi="avg")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert NSADecodeCache(cfg, 1, 8, dtype=dtype, backend="triton").uses_lean_step()
+    assert not NSADecodeCache(cfg, 1, 8, dtype=torch.float64, backend="triton").uses_lean_step()
+    assert not NSADecodeCache(cfg, 1, 8, backend="torch").uses_lean_step()
+    assert not NSADecodeCache(cfg, 1, 8, backend="auto").uses_lean_step()  # CPU: auto is the torch path
+    assert not NSADecodeCache(cfg, 1, 8, backend="triton").uses_lean_step(n_queries=3)
+
+
 # Validation ---------------------------------------------------------------------------------------------------
 def test_bad_inputs_raise_value_errors_naming_the_rule():
     cfg = SMALL.replace(phi="avg")

@@ -7,7 +7,11 @@
 - the decode kernels at the paper's head layout (16 heads per group, d = 128, l' = 64, n = 16) by the same rule
   (low precision = the same computation in bf16 torch, oracle = float64);
 - DecodeGraph replays (eager stages and torch.compile'd stages) equal eager steps;
-- counted reads of one step at 64k with the paper config reproduce Table 4 minus one.
+- the lean step (optimized/decode/lean.py) at the paper layout (64 heads, 4 groups, d = 128, l, d, l', n, w of
+  the paper), replayed by a DecodeGraph over rows of different lengths with padding queries: = the bf16 prefill by
+  the error-ratio rule (teacher-forced), >= 99% the free-running prefill's selections, and = the seam-by-seam
+  kernel path (selections >= 99%, reads);
+- counted reads of one step at 64k with the paper config reproduce Table 4 minus one (lean step).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 import optimized as O
 from conformance.helpers import error_ratio, make_inputs
+from optimized import masks
 from optimized.decode import NSADecodeCache
 from optimized.decode.graph import DecodeGraph
 from optimized.kernels.masked_decode import masked_decode_attention
@@ -37,6 +42,7 @@ def tokens(kv: BranchKV, start: int, stop: int) -> BranchKV:
 def decode_bf16(x, prompt: int, chunks: list[int]):
     B, T = x.q.shape[:2]
     cache = NSADecodeCache(CFG, B, T, dtype=torch.bfloat16, device="cuda", phi=x.phi)
+    assert cache.uses_lean_step()  # the steps run the lean step, the chunks the seam-by-seam kernel path
     outs = [cache.prefill(x.q[:, :prompt], tokens(x.kv, 0, prompt), x.gates[:, :prompt])]
     t = prompt
     for chunk in chunks:
@@ -131,6 +137,81 @@ def test_graph_replays_equal_eager_steps(compile_stages):
     assert caches[1].lengths.tolist() == [420, 411] and caches[1].device_lengths.tolist() == [420, 411]
 
 
+PAPER = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
+
+
+def row_tokens(x, starts: list[int], counts: list[int]):
+    """One token per row: row b's token starts[b] of x where counts[b] = 1, a padding token (large finite values)
+    where it is 0."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        rows = [t[b:b + 1, s:s + 1] if n else torch.full_like(t[b:b + 1, :1], 1e3)
+                for b, (s, n) in enumerate(zip(starts, counts))]
+        return torch.cat(rows)
+
+    return take(x.q), BranchKV(*(KV(take(b.k), take(b.v)) for b in (x.kv.cmp, x.kv.slc, x.kv.win))), take(x.gates)
+
+
+def test_lean_graph_paper_layout_equals_prefill_and_seam_path(monkeypatch):
+    """Two rows of 2552 and 1852 tokens (more selection blocks than n = 16), 48 steps replayed by a DecodeGraph
+    (the lean step; one step in d emits a compressed token), row 1 with a padding query every fifth step. Each real
+    step: bf16 decode vs float64 prefill <= 2 x bf16 prefill vs float64 prefill (all with the decode's blocks, the
+    prompt's from the free-running bf16 prefill); the decode selects the free-running bf16 prefill's blocks for
+    >= 99% of (query, group) rows; an eager cache on the seam-by-seam kernel path (a seam replaced by a wrapper
+    that computes the same) gives the same compressed and window reads, the same selected reads where the
+    selections agree, and >= 99% of the selections."""
+    T, steps = 2600, 48
+    x16 = make_inputs(PAPER, T, B=2, seed=11, dtype=torch.float64, device="cuda", phi_hidden=128).to(
+        dtype=torch.bfloat16)
+    prompt = [T - steps, T - steps - 700]
+    lean, seams = (NSADecodeCache(PAPER, 2, T, dtype=torch.bfloat16, device="cuda", phi=x16.phi) for _ in range(2))
+    prompt_kv = BranchKV(*(KV(b.k[:, :prompt[0]], b.v[:, :prompt[0]]) for b in (x16.kv.cmp, x16.kv.slc, x16.kv.win)))
+    for cache in (lean, seams):
+        cache.fill(prompt_kv, prompt)
+    assert lean.uses_lean_step()
+    graph = DecodeGraph(lean, T)  # captures the lean step; replays run it whatever the seams are later
+    original = masks.top_n_blocks
+    monkeypatch.setattr(masks, "top_n_blocks", lambda *args: original(*args))  # same rule, not the lean kernels'
+    assert not seams.uses_lean_step()
+    used, decoded, rows, agree = list(prompt), [{}, {}], 0, 0
+    for i in range(steps):
+        counts = [1, 0 if i % 5 == 3 else 1]
+        args = row_tokens(x16, used, counts)
+        out = graph(*args, lengths=counts)
+        ref = seams.step(*args, lengths=counts)
+        for b, n in enumerate(counts):
+            if not n:
+                assert bool((out.o[b] == 0).all()) and bool((out.indices[b] == -1).all())
+                assert all(int(getattr(out.reads, name)[b].sum()) == 0 for name in ("cmp", "slc", "win"))
+                continue
+            same = (out.indices[b] == ref.indices[b]).all(-1)
+            rows, agree = rows + same.numel(), agree + int(same.sum())
+            for name in ("cmp", "win"):
+                assert torch.equal(getattr(out.reads, name)[b], getattr(ref.reads, name)[b])
+            assert torch.equal(torch.where(same, out.reads.slc[b], 0), torch.where(same, ref.reads.slc[b], 0))
+            decoded[b][used[b]] = (out.o[b, 0].clone(), out.indices[b, 0].clone())
+        used = [u + n for u, n in zip(used, counts)]
+    assert agree >= 0.99 * rows, f"lean and seam-by-seam selections agree on {agree}/{rows} rows"
+    assert lean.lengths.tolist() == used and lean.device_lengths.tolist() == used
+    monkeypatch.setattr(masks, "top_n_blocks", original)
+    phi64 = x16.phi.to(dtype=torch.float64)
+    for b in range(2):
+        sl = slice(0, used[b])
+        row16 = BranchKV(*(KV(br.k[b:b + 1, sl], br.v[b:b + 1, sl]) for br in (x16.kv.cmp, x16.kv.slc, x16.kv.win)))
+        row64 = BranchKV(*(KV(br.k.double(), br.v.double()) for br in (row16.cmp, row16.slc, row16.win)))
+        q16, g16 = x16.q[b:b + 1, sl], x16.gates[b:b + 1, sl]
+        free = O.nsa_forward(q16, row16, g16, PAPER, x16.phi).indices
+        positions = sorted(decoded[b])
+        idx = free.clone()
+        for t in positions:
+            idx[0, t] = decoded[b][t][1]
+        agree = (free[0, positions] == idx[0, positions]).all(-1).float().mean().item()
+        assert agree >= 0.99, f"row {b}: decode and prefill select the same blocks for only {agree:.1%} of rows"
+        oracle = O.nsa_forward(q16.double(), row64, g16.double(), PAPER, phi64, indices=idx).o[0, positions]
+        low = O.nsa_forward(q16, row16, g16, PAPER, x16.phi, indices=idx).o[0, positions]
+        o_dec = torch.stack([decoded[b][t][0] for t in positions])
+        assert error_ratio(o_dec, low, oracle) <= 1.0
+
+
 def test_step_reads_at_64k_reproduce_table_4_on_gpu():
     cfg = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
     s = 65536
@@ -143,6 +224,7 @@ def test_step_reads_at_64k_reproduce_table_4_on_gpu():
 
     phi = PhiWeights.init(cfg, 128, dtype=torch.bfloat16, device="cuda")
     cache = NSADecodeCache(cfg, 1, s, dtype=torch.bfloat16, device="cuda", phi=phi)
+    assert cache.uses_lean_step()
     cache.fill(BranchKV.shared(rnd(s - 1, 128), rnd(s - 1, 128)))
     new = BranchKV.shared(rnd(1, 128), rnd(1, 128))
     q = torch.randn(1, 1, cfg.n_heads, 128, generator=g, device="cuda", dtype=torch.bfloat16)

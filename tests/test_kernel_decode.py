@@ -120,3 +120,38 @@ def test_kernels_reject_bad_inputs():
     with pytest.raises(ValueError, match="multiple of Hkv"):
         selected_decode_attention(torch.zeros(1, 1, 3, 8), k, k, torch.zeros(1, 1, 2, 2, dtype=torch.int64),
                                   torch.zeros(1, 1, dtype=torch.int64), 4)
+
+
+def crafted_scores(g: torch.Generator, R: int, NB: int) -> torch.Tensor:
+    """Scores with many exact ties: small integers, +0.0 and -0.0 side by side, -inf, and rows of one value."""
+    scores = torch.randint(-2, 3, (R, NB), generator=g).float()
+    scores[0] = 1.0  # all equal: the lowest indices win
+    scores[1, ::2] = -0.0  # -0.0 ties +0.0
+    scores[1, 1::2] = 0.0
+    scores[2, 5:9] = float("-inf")  # existing blocks with -inf still rank among themselves by index
+    scores[3] = torch.arange(NB, 0, -1).float()  # descending, with ties below
+    scores[3, 10:] = 3.0
+    return scores
+
+
+@pytest.mark.parametrize("n_sel, n_init, n_local", [(5, 1, 2), (4, 0, 0), (3, 2, 1), (16, 1, 2)])
+@pytest.mark.parametrize("lists", [1, 3])
+def test_top_n_kernel_ties_like_top_n_blocks(n_sel, n_init, n_local, lists):
+    """The lean step's top-n helpers (ranked in chunks of 16 blocks, `lists` lists per row, merged) against
+    masks.top_n_blocks: equal scores -> lower index, -0.0 ties +0.0, blocks after J never chosen (even with the
+    highest scores), fewer existing blocks than n -> -1 padding, forced blocks whatever their scores."""
+    from optimized import masks
+    from optimized.kernels.top_n import top_n_blocks_triton
+    from reference.config import NSAConfig
+
+    cfg = NSAConfig(n_sel=n_sel, n_init=n_init, n_local=n_local)
+    g = torch.Generator().manual_seed(n_sel + lists)
+    R, NB = 10, 37
+    scores = crafted_scores(g, R, NB)
+    J = torch.tensor([36, 30, 12, 36, 0, 1, 2, n_sel - 2, 20, 36])
+    scores[8, 21:] = 100.0  # after J: never chosen
+    scores[9, :n_init] = -5.0  # forced initial blocks with the lowest scores
+    scores[9, 36 - n_local + 1:] = -5.0  # forced local blocks
+    want = masks.top_n_blocks(scores, J, cfg)
+    got = top_n_blocks_triton(scores, J, n_sel, n_init, n_local, lists=lists, block=16)
+    assert torch.equal(got, want), f"rows differ: {(got != want).any(-1).nonzero().flatten().tolist()}"

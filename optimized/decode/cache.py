@@ -25,9 +25,9 @@ from .. import compression, masks, scoring
 from ..forward import gated_sum, nsa_forward
 from ..masked_attention import CHUNK_ELEMENTS
 from ..selected import BACKENDS
-from . import branches, kernels
+from . import branches, kernels, lean
 from .buffers import TokenBuffer, ring_slot_positions
-from .emission import complete_blocks
+from .emission import complete_blocks, new_compressed_blocks
 from .plan import plan_call
 
 RowCounts = Tensor | Sequence[int] | None
@@ -46,9 +46,11 @@ class NSADecodeCache:
     one token per row; extend(...) appends a chunk of TQ tokens per row (its queries are the last TQ positions).
     Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
     each branch gathered. backend: "torch" (any device), "triton" (the decode kernels; CPU needs
-    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). compile_stages=True runs the torch stages of a call (planning, the
-    Eq. 8-11 seams, the gates) through torch.compile (one compilation per shape, for long GPU decodes; eager calls
-    then scan up to the next power of two of the longest row, so shapes change rarely).
+    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). Steps on the kernel path run the lean step (five Triton
+    launches, optimized/decode/lean.py) while every convention seam is the original. compile_stages=True runs the
+    torch stages of a call (planning, the Eq. 8-11 seams, the gates; the lean step's Eq. 7 emission) through
+    torch.compile (one compilation per shape; eager calls then scan up to the next power of two of the longest row,
+    so shapes change rarely).
     """
 
     def __init__(self, cfg: NSAConfig, batch_size: int, capacity: int, *, dtype: torch.dtype = torch.float32,
@@ -77,12 +79,13 @@ class NSADecodeCache:
         self.window = TokenBuffer.empty(B, H, window_capacity(cfg), dk, dv, **shape)  # ring
         self.device_lengths = torch.zeros(B, dtype=torch.int64, device=self.device)
         self._lengths = torch.zeros(B, dtype=torch.int64)
-        # The pure torch stages of a call (the seams included); compile_stages=True fuses each into a few kernels.
-        stages = (plan_call, branches.select, gate_real)
+        # The pure torch stages of a call (the seams included; the lean step's Eq. 7 emission); compile_stages=True
+        # fuses each into a few kernels.
+        stages = (plan_call, branches.select, gate_real, new_compressed_blocks)
         self.compiled = compile_stages
         if compile_stages:
             stages = tuple(torch.compile(stage, dynamic=False) for stage in stages)
-        self._plan, self._select, self._gate = stages
+        self._plan, self._select, self._gate, self._emit = stages
 
     # State --------------------------------------------------------------------------------------------------
     @property
@@ -102,6 +105,11 @@ class NSADecodeCache:
         if self.backend == "triton":
             return True
         return self.backend == "auto" and self.device.type == "cuda" and self.dtype in kernels.KERNEL_DTYPES
+
+    def uses_lean_step(self, n_queries: int = 1) -> bool:
+        """Whether a call with n_queries new tokens per row runs the lean step (optimized/decode/lean.py): steps on
+        the kernel path in a kernel dtype while every convention seam is the original."""
+        return lean.lean_step_applies(self.use_kernels, self.dtype, n_queries)
 
     # Filling from a prompt -----------------------------------------------------------------------------------
     def fill(self, kv: BranchKV, lengths: RowCounts = None) -> None:
@@ -182,6 +190,12 @@ class NSADecodeCache:
             raise ValueError(f"advance: bound must be in 1..capacity ({self.capacity}), got {bound}")
         cfg = self.cfg
         L = self.device_lengths
+        if self.uses_lean_step(q.shape[1]):
+            if emit:  # Eq. 7: from the raw ring before the step's key replaces anything in it
+                blocks = self._emit(self.cmp_raw.usable(), L, n_new, kv.cmp.k, kv.cmp.v, cfg, self.phi,
+                                    trash=self.compressed.trash)
+                self.compressed.write(blocks.slots, blocks.k, blocks.v)
+            return lean.lean_step(self, q, kv, gates, n_new, bound)  # appends, attends, advances L
         plan = self._plan(L, n_new, kv, self.cmp_raw.usable(), self.window.usable(), cfg, self.phi, emit=emit,
                           history_trash=self.history.trash, compressed_trash=self.compressed.trash)
         if plan.new_blocks is not None:

@@ -45,10 +45,18 @@ def split_count(rows: int, work_units: int, device: torch.device, requested: int
         if requested < 1:
             raise ValueError(f"splits must be >= 1, got {requested}")
         return min(requested, max(1, work_units))
+    budget = program_budget(device)
+    if budget == 1:
+        return 1
+    return max(1, min(work_units, -(-budget // max(rows, 1))))
+
+
+def program_budget(device: torch.device) -> int:
+    """Programs one launch aims for: PROGRAMS_PER_SM per streaming multiprocessor (1 off CUDA or in the
+    interpreter)."""
     if device.type != "cuda" or interpreting():
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(work_units, -(-PROGRAMS_PER_SM * sms // max(rows, 1))))
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

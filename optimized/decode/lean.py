@@ -1,0 +1,76 @@
+"""The lean decode step (docs/decode.md, "Lean step"): a step (one token per row) on the kernel path in five Triton
+launches (optimized/kernels/decode_step.py) instead of the ~30 small kernels of NSADecodeCache.advance.
+
+The kernels compute every convention themselves, so they run only while each seam of optimized.masks that decode
+uses is still the module's original function (and scoring.pool_eq9 likewise): a replaced seam (what the
+conformance self-test does to plant a bug) sends the call to the seam-by-seam path, so it changes decode exactly
+as it changes prefill. The config's switches (window_keys, cmp_visibility, selection_score, group_reduce) are
+handed to the kernels; phi only matters to the Eq. 7 emission, which stays in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from reference.config import NSAConfig
+from reference.contract import BranchKV, NSAOutput, Reads
+
+from .. import masks, scoring
+from . import kernels
+
+# The seams whose original rules the lean kernels implement (ranked_blocks and fixed_order_sum are the helpers that
+# decide top_n_blocks's tie order and cmp_importance's sum; a replacement of either changes decode too).
+LEAN_SEAMS = ("compressed_block_visible", "window_start", "window_key_visible", "cmp_importance", "eq9_pool_weights",
+              "group_reduce", "current_sel_block", "top_n_blocks", "forced_blocks", "selected_token_visible",
+              "ranked_blocks", "fixed_order_sum")
+_KERNEL_RULES = {name: getattr(masks, name) for name in LEAN_SEAMS}
+_KERNEL_POOL = scoring.pool_eq9
+
+
+def seams_are_kernel_rules() -> bool:
+    """Every seam the lean kernels implement is still the original function (identity, as
+    kernels.selected_rule_is_kernel_rule)."""
+    return (all(getattr(masks, name) is rule for name, rule in _KERNEL_RULES.items())
+            and scoring.pool_eq9 is _KERNEL_POOL)
+
+
+def lean_step_applies(use_kernels: bool, dtype: torch.dtype, n_queries: int) -> bool:
+    """The lean step runs for steps (one query per row) on the kernel path, in a kernel dtype, with the original
+    seams; everything else (chunks, float64, the torch backend, replaced seams) takes NSADecodeCache's
+    seam-by-seam path."""
+    return n_queries == 1 and use_kernels and dtype in kernels.KERNEL_DTYPES and seams_are_kernel_rules()
+
+
+def step_rules(cfg: NSAConfig):
+    """The kernels' StepRules for cfg (read while the seams are the originals)."""
+    from optimized.kernels.decode_step import StepRules
+
+    band = masks.eq9_pool_weights(cfg)
+    l, d, lp = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
+    overlap = tuple(float(min(r * d + l, lp) - max(r * d, 0)) / d
+                    for r in range(band.first_offset, band.first_offset + len(band.weights)))
+    if overlap != tuple(band.weights):  # the kernels recompute the weights from l, d, l' (decode_step_cmp._eq9_term)
+        raise RuntimeError(f"masks.eq9_pool_weights gives {band} for {cfg}, not the overlap band {overlap} the lean "
+                           "kernels compute")
+    return StepRules(cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, sel_block=cfg.sel_block, n_sel=cfg.n_sel,
+                     n_init=cfg.n_init, n_local=cfg.n_local, window_size=cfg.window_size,
+                     strict_visibility=cfg.cmp_visibility == "strict", logit_scores=cfg.selection_score == "logits",
+                     mean_reduce=cfg.group_reduce == "mean", eq9_first_offset=band.first_offset,
+                     eq9_band=len(band.weights))
+
+
+def lean_step(cache, q: Tensor, kv: BranchKV, gates: Tensor, n_new: Tensor, bound: int) -> NSAOutput:
+    """Append one token per row of `cache` (an NSADecodeCache; n_new [B] in {0, 1} on its device) and return the
+    step's NSAOutput; advances cache.device_lengths. bound: a static upper bound on every row's length after the
+    step (sizes the compressed tokens and selection blocks the kernels may scan)."""
+    from optimized.kernels.decode_step import lean_decode_step
+
+    cfg = cache.cfg
+    new = (kv.cmp.k, kv.cmp.v, kv.slc.k, kv.slc.v, kv.win.k, kv.win.v)
+    out = lean_decode_step(q, gates, new, cache.device_lengths, n_new, (cache.compressed.k, cache.compressed.v),
+                           (cache.cmp_raw.k, cache.cmp_raw.v), (cache.history.k, cache.history.v),
+                           (cache.window.k, cache.window.v), step_rules(cfg), masks.compressed_block_count(bound, cfg),
+                           scoring.sel_block_count(bound, cfg))
+    return NSAOutput(o=out.o, indices=out.indices, o_cmp=out.o_cmp, o_slc=out.o_slc, o_win=out.o_win,
+                     reads=Reads(cmp=out.reads_cmp, slc=out.reads_slc, win=out.reads_win))

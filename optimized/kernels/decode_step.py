@@ -1,0 +1,232 @@
+"""The lean decode step: one token per row in five launches (docs/decode.md, "Lean step").
+
+    append  -> compressed splits -> select (combine + Eq. 8-11 lists) -> selected/window splits -> gate (Eq. 5)
+
+(optimized/kernels/decode_append.py, decode_step_cmp.py, decode_step_sparse.py). Positions, visibility, the window
+mask, Eq. 9's weights and Eq. 11's forced blocks are computed inside the kernels from the rows' lengths and the
+rules in StepRules, which optimized.decode.lean builds only while every convention seam of optimized.masks is the
+module's original function. Reads are counted by the kernels from the keys they admitted. Every launch has a static
+grid and no host synchronisation, so a CUDA graph can capture the step (DecodeGraph).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+from torch import Tensor
+
+from .decode_append import append_step_tokens
+from .decode_splits import Partials, program_budget
+from .decode_step_cmp import _compressed_split_kernel, _select_kernel
+from .decode_step_sparse import _gate_kernel, _sparse_split_kernel
+from .selected_attention_fwd import LOG2E
+from .tiling import MIN_DOT, interpreting, key_tile_rows, padded
+from .top_n import list_width
+
+BLOCK_N = 64  # key-tile rows of the compressed split (16 in the interpreter, so tiny tests span several tiles)
+SCORE_BLOCK = 256  # selection blocks scored per chunk by a select program
+BLOCKS_PER_LIST = 64  # at least this many selection blocks per select program
+MAX_LISTS = 16  # select programs per row (the sparse kernel merges n * MAX_LISTS candidates)
+MERGE_CHUNK = 4  # split partials loaded at once by a merge
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """The conventions the kernels compute in place of the optimized.masks seams (ints and switches of the
+    NSAConfig; eq9_first_offset / eq9_band: the offset and length of masks.eq9_pool_weights's band, whose weights
+    the kernel recomputes as overlap / d)."""
+
+    cmp_block: int
+    cmp_stride: int
+    sel_block: int
+    n_sel: int
+    n_init: int
+    n_local: int
+    window_size: int
+    strict_visibility: bool
+    logit_scores: bool
+    mean_reduce: bool
+    eq9_first_offset: int
+    eq9_band: int
+
+
+class StepSplits(NamedTuple):
+    """Programs per (row, KV group): compressed splits, select lists, selected splits, window splits."""
+
+    cmp: int
+    lists: int
+    slc: int
+    win: int
+
+
+class StepOutput(NamedTuple):
+    o: Tensor  # [B, 1, Hq, dv]
+    indices: Tensor  # int64 [B, 1, Hkv, n]
+    o_cmp: Tensor
+    o_slc: Tensor
+    o_win: Tensor
+    reads_cmp: Tensor  # int64 [B, 1, Hkv]
+    reads_slc: Tensor
+    reads_win: Tensor
+
+
+def cmp_tile_rows() -> int:
+    """Compressed tokens per key tile: BLOCK_N (MIN_DOT in the interpreter)."""
+    return MIN_DOT if interpreting() else BLOCK_N
+
+
+def step_splits(rows: int, n_cmp_slots: int, n_sel_blocks: int, n_sel: int, sel_block: int, window_slots: int,
+                window_tiles: int, key_bytes: int, partial_bytes: int, device: torch.device) -> StepSplits:
+    """Programs per (row, KV group). Each launch aims to fill the GPU in one wave (decode_splits.program_budget
+    programs, rounded down per row; 1 in the interpreter, where tests replace this function to exercise several),
+    but a row's keys are cut into at most about sqrt(keys * key_bytes / partial_bytes) splits: one program merges a
+    row's partials, so past that the partials it reads cost more than the keys a split saves the others. The sparse
+    launch shares its programs between the selected and window keys in proportion."""
+    per_row = max(1, program_budget(device) // max(rows, 1))
+
+    def splits(keys: int) -> int:
+        return max(1, min(per_row, round(math.sqrt(keys * key_bytes / partial_bytes))))
+
+    def clamp(n: int, units: int) -> int:
+        return max(1, min(n, units))
+
+    sel_keys = n_sel * sel_block
+    sparse = splits(sel_keys + window_slots)
+    slc = clamp(round(sparse * sel_keys / (sel_keys + window_slots)), n_sel)
+    return StepSplits(cmp=clamp(splits(n_cmp_slots), -(-n_cmp_slots // cmp_tile_rows())),
+                      lists=clamp(min(per_row, MAX_LISTS), -(-n_sel_blocks // BLOCKS_PER_LIST)),
+                      slc=slc, win=clamp(sparse - slc, window_tiles))
+
+
+def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths: Tensor, n_new: Tensor,
+                     compressed: tuple[Tensor, Tensor], raw: tuple[Tensor, Tensor], history: tuple[Tensor, Tensor],
+                     window: tuple[Tensor, Tensor], rules: StepRules, n_cmp_slots: int, n_sel_blocks: int,
+                     splits: StepSplits | None = None) -> StepOutput:
+    """Append one token per row (n_new[b] in {0, 1}: rows with 0 hold a padding query) and compute the step's
+    NSA output. q [B, 1, Hq, dk], gates [B, 1, Hq, 3]; new = (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win) [B, 1, Hkv,
+    D]; lengths (int64 [B], tokens held before the step, advanced in place); compressed, raw, history, window: the
+    cache's (k, v) buffers [B, Hkv, slots + 1, D]. n_cmp_slots / n_sel_blocks: static bounds on the compressed tokens
+    and selection blocks any row can see (from the capture horizon); splits: default step_splits."""
+    _validate(q, gates, compressed, history, window, rules, n_cmp_slots, n_sel_blocks)
+    n_cmp_slots = max(1, n_cmp_slots)  # the logits' row width (a slot never emitted is never visible, never read)
+    B, _, Hq, dk = q.shape
+    Hkv, dv = history[0].shape[1], history[1].shape[3]
+    group, rows, dev = Hq // Hkv, B * Hkv, q.device
+    window_slots = window[0].shape[2] - 1
+    block_h, block_dk, block_dv = padded(group), padded(dk), padded(dv)
+    block_n = key_tile_rows(rules.sel_block, BLOCK_N)  # selected and window key tiles: B_k | l'
+    tiles_per_block = -(-rules.sel_block // block_n)
+    window_tiles = max(1, -(-window_slots // block_n))
+    key_bytes = (dk + dv) * q.element_size()
+    partial_bytes = (block_h * block_dv + 2 * block_h + 1) * 4
+    splits = splits or step_splits(rows, n_cmp_slots, n_sel_blocks, rules.n_sel, rules.sel_block, window_slots,
+                                   window_tiles, key_bytes, partial_bytes, dev)
+    # every split gets work: the shares first, then the splits they need
+    cmp_rows = cmp_tile_rows()
+    cmp_tiles = max(1, -(-n_cmp_slots // cmp_rows))
+    keys_per_split = -(-cmp_tiles // splits.cmp) * cmp_rows
+    blocks_per_list = -(-n_sel_blocks // splits.lists)
+    slots_per_split = -(-rules.n_sel // splits.slc)
+    tiles_per_win_split = -(-window_tiles // splits.win)
+    splits = StepSplits(cmp=-(-cmp_tiles * cmp_rows // keys_per_split), lists=-(-n_sel_blocks // blocks_per_list),
+                        slc=-(-rules.n_sel // slots_per_split), win=-(-window_tiles // tiles_per_win_split))
+    n_pad = list_width(rules.n_sel)
+    dot_fp32 = q.dtype == torch.float32 or interpreting()
+    scale = 1.0 / math.sqrt(dk)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+
+    append_step_tokens(lengths, n_new, new, raw, history, window)
+
+    out = StepOutput(o=torch.empty((B, 1, Hq, dv), dtype=q.dtype, device=dev),
+                     indices=torch.empty((B, 1, Hkv, rules.n_sel), dtype=torch.int64, device=dev),
+                     o_cmp=torch.empty((B, 1, Hq, dv), dtype=q.dtype, device=dev),
+                     o_slc=torch.empty((B, 1, Hq, dv), dtype=q.dtype, device=dev),
+                     o_win=torch.empty((B, 1, Hq, dv), dtype=q.dtype, device=dev),
+                     reads_cmp=torch.empty((B, 1, Hkv), dtype=torch.int64, device=dev),
+                     reads_slc=torch.empty((B, 1, Hkv), dtype=torch.int64, device=dev),
+                     reads_win=torch.empty((B, 1, Hkv), dtype=torch.int64, device=dev))
+
+    # compressed splits: partials and the Eq. 8 input of every visible compressed token
+    cmp_parts = Partials.empty(rows, splits.cmp, block_h, block_dv, dev)
+    logits = torch.empty((rows, group, n_cmp_slots), dtype=torch.float32, device=dev)
+    k_cmp, v_cmp = compressed
+    _compressed_split_kernel[(rows, splits.cmp)](
+        q, k_cmp, v_cmp, lengths, n_new, logits, cmp_parts.o, cmp_parts.m, cmp_parts.l, cmp_parts.reads,
+        q.stride(0), q.stride(2),
+        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
+        n_cmp_slots, keys_per_split, splits.cmp, scale * LOG2E, scale,
+        HKV=Hkv, GROUP=group, DK=dk, DV=dv, BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=cmp_rows,
+        CMP_BLOCK=rules.cmp_block, CMP_STRIDE=rules.cmp_stride, STRICT=rules.strict_visibility,
+        LOGIT_SCORES=rules.logit_scores, DOT_FP32=dot_fp32, num_warps=4, num_stages=2,
+    )
+
+    # select: o_cmp, compressed reads, and each select program's list of its n best blocks
+    lists = torch.empty((rows, splits.lists, n_pad), dtype=torch.int64, device=dev)
+    _select_kernel[(rows, splits.lists)](
+        lengths, n_new, logits, cmp_parts.o, cmp_parts.m, cmp_parts.l, cmp_parts.reads, out.o_cmp, out.reads_cmp,
+        lists,
+        out.o_cmp.stride(0), out.o_cmp.stride(2),
+        n_cmp_slots, splits.cmp, blocks_per_list, splits.lists,
+        HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
+        CMP_BLOCK=rules.cmp_block, CMP_STRIDE=rules.cmp_stride, SEL_BLOCK=rules.sel_block,
+        N_INIT=rules.n_init, N_LOCAL=rules.n_local, N_SEL=rules.n_sel, N_PAD=n_pad,
+        STRICT=rules.strict_visibility, LOGIT_SCORES=rules.logit_scores, MEAN=rules.mean_reduce,
+        EQ9_FIRST=rules.eq9_first_offset, EQ9_BAND=rules.eq9_band,
+        SCORE_BLOCK=min(SCORE_BLOCK, padded(blocks_per_list)), CMP_SPLITS=triton.next_power_of_2(splits.cmp),
+        MERGE_CHUNK=MERGE_CHUNK, num_warps=4, num_stages=1,
+    )
+
+    # selected and window splits
+    sparse_parts = Partials.empty(rows, splits.slc + splits.win, block_h, block_dv, dev)
+    (hk, hv), (wk, wv) = history, window
+    _sparse_split_kernel[(rows, splits.slc + splits.win)](
+        q, hk, hv, wk, wv, lengths, n_new, lists, out.indices, sparse_parts.o, sparse_parts.m, sparse_parts.l,
+        sparse_parts.reads,
+        q.stride(0), q.stride(2),
+        hk.stride(0), hk.stride(1), hv.stride(0), hv.stride(1), wk.stride(0), wk.stride(1), wv.stride(0),
+        wv.stride(1), hk.stride(2), hv.stride(2),
+        splits.lists, slots_per_split, splits.slc, tiles_per_win_split, splits.win, window_slots, rules.window_size,
+        scale * LOG2E,
+        HKV=Hkv, GROUP=group, DK=dk, DV=dv, BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=block_n,
+        SEL_BLOCK=rules.sel_block, TILES_PER_BLOCK=tiles_per_block, N_SEL=rules.n_sel,
+        N_PAD=n_pad, LISTS_PAD=triton.next_power_of_2(splits.lists), DOT_FP32=dot_fp32, num_warps=4, num_stages=2,
+    )
+
+    # Eq. 5
+    _gate_kernel[(rows,)](
+        sparse_parts.o, sparse_parts.m, sparse_parts.l, sparse_parts.reads, out.o_cmp, gates, n_new, out.o,
+        out.o_slc, out.o_win, out.reads_slc, out.reads_win,
+        out.o.stride(0), out.o.stride(2), gates.stride(0), gates.stride(2), gates.stride(3),
+        splits.slc, splits.win,
+        HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
+        SPLITS=triton.next_power_of_2(max(splits.slc, splits.win)), MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
+    )
+    return out
+
+
+def _validate(q: Tensor, gates: Tensor, compressed: tuple[Tensor, Tensor], history: tuple[Tensor, Tensor],
+              window: tuple[Tensor, Tensor], rules: StepRules, n_cmp_slots: int, n_sel_blocks: int) -> None:
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"lean_decode_step: q must be [B, 1, Hq, dk] (one query per row), got {tuple(q.shape)}")
+    B, _, Hq, _ = q.shape
+    if gates.shape != (B, 1, Hq, 3) or gates.dtype != q.dtype:
+        raise ValueError(f"lean_decode_step: gates must be [B={B}, 1, Hq={Hq}, 3] in q's dtype, got {gates.dtype} "
+                         f"{tuple(gates.shape)}")
+    if not 0 <= n_cmp_slots <= compressed[0].shape[2] - 1:
+        raise ValueError(f"lean_decode_step: n_cmp_slots must be in 0..{compressed[0].shape[2] - 1} (the compressed "
+                         f"store's slots), got {n_cmp_slots}")
+    if history[0].stride(2) != window[0].stride(2) or history[1].stride(2) != window[1].stride(2):
+        raise ValueError("lean_decode_step: the history and window buffers must have the same token stride (one "
+                         "kernel loop reads both)")
+    if n_sel_blocks < 1:
+        raise ValueError(f"lean_decode_step: n_sel_blocks must be >= 1, got {n_sel_blocks}")
+    if rules.eq9_band < 1 or rules.n_sel < 1:
+        raise ValueError(f"lean_decode_step: rules need eq9_band >= 1 and n_sel >= 1, got {rules}")
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError("lean_decode_step: tensors must be on CUDA (or set TRITON_INTERPRET=1 before importing the "
+                         "kernels)")

@@ -1,0 +1,158 @@
+"""The lean decode step's compressed branch and selection (docs/decode.md, "Lean step"): two launches.
+
+1. compressed split kernel: one program per (row, KV group) and split of the compressed tokens; the queries of the
+   group's heads as one tile. Visibility (Eq. 7, masks.compressed_block_visible) is computed in the kernel from the
+   query position and the row's emitted count, so no [B, TQ, N] mask is built. Each program writes its partial
+   (max, sum, output, keys admitted) and the Eq. 8 input of every key it admitted: the base-2 scaled logits
+   q.k / sqrt(d_k) * log2(e) the softmax used (selection score "probs") or the scaled logits ("logits").
+2. select kernel: one program per (row, KV group) and share of the selection blocks. Every program merges the
+   compressed splits into each head's log-sum-exp; the first also writes o_cmp and the compressed reads. Then, for
+   its blocks j <= J = p // l', in chunks: Eq. 8 p_cmp = 2^(x - lse2) over the visible compressed tokens (or the
+   logits), Eq. 9 the banded overlap weights of masks.eq9_pool_weights added in scoring.pool_eq9's term order,
+   Eq. 10 the sum (or mean) over the group's heads added head by head, and Eq. 11's ranking (optimized/kernels/
+   top_n.py) into the program's list of its n best blocks. The sparse kernel merges the lists.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode_tiles import (merge_partials, merge_stats, qk_tile, softmax_update, step_position, store_partial,
+                           visible_cmp_count)
+from .top_n import EMPTY, score_into_list
+
+
+@triton.jit
+def _compressed_split_kernel(
+    Q, K, V, LENGTHS, N_NEW, LOGITS, O_PART, M_PART, L_PART, R_PART,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    n_slots, keys_per_split, n_split, scale_log2, scale,
+    HKV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, STRICT: tl.constexpr, LOGIT_SCORES: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    g = row % HKV
+    b = row // HKV
+    p, held = step_position(LENGTHS, N_NEW, b)
+    n_visible = visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, STRICT)  # Eq. 7: blocks 0..n_visible-1
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    head_mask = offs_h < GROUP
+    dk_mask = offs_dk < DK
+    dv_mask = offs_dv < DV
+    q = tl.load(Q + b * stride_qb + (g * GROUP + offs_h[:, None]) * stride_qh + offs_dk[None, :],
+                mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + g * stride_kh
+    v_base = V + b * stride_vb + g * stride_vh
+    logit_base = LOGITS + row * GROUP * n_slots
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+
+    first = split * keys_per_split
+    stop = tl.minimum(tl.minimum(first + keys_per_split, n_slots), n_visible)
+    for start in range(first, stop, BLOCK_N):
+        i = start + offs_n
+        visible = i < stop
+        kT = tl.load(k_base + i[None, :] * stride_kt + offs_dk[:, None],
+                     mask=visible[None, :] & dk_mask[:, None], other=0.0)
+        v = tl.load(v_base + i[:, None] * stride_vt + offs_dv[None, :],
+                    mask=visible[:, None] & dv_mask[None, :], other=0.0)
+        s = qk_tile(q, kT, DOT_FP32)
+        x = s * scale_log2
+        logits = logit_base + offs_h[:, None] * n_slots + i[None, :]
+        store_mask = head_mask[:, None] & visible[None, :]
+        if LOGIT_SCORES:
+            tl.store(logits, s * scale, mask=store_mask)
+        else:
+            tl.store(logits, x, mask=store_mask)
+        m_i, l_i, acc = softmax_update(tl.where(visible[None, :], x, float("-inf")), v, m_i, l_i, acc, DOT_FP32)
+    reads = tl.maximum(stop - first, 0)  # the visible keys of the split, every one admitted
+    store_partial(O_PART, M_PART, L_PART, R_PART, row * n_split + split, acc, m_i, l_i, reads, BLOCK_H, BLOCK_DV)
+
+
+@triton.jit
+def _eq9_term(logits, j, ok, lse2, n_visible, n_slots, OFFSET: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+              CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+              LOGIT_SCORES: tl.constexpr):
+    """One term of Eq. 9 for every head of the group and selection blocks j: [BLOCK_H, SCORE_BLOCK] =
+    weight(OFFSET) * p_cmp[(l'/d) j + OFFSET], p_cmp = 0 outside the visible compressed tokens 0..n_visible-1
+    (Eq. 8: the compressed branch's own softmax 2^(x - lse2), or the scaled logits). The weight is
+    masks.eq9_pool_weights's overlap band: the tokens compressed block (l'/d) j + OFFSET shares with selection
+    block j, divided by d. logits: the row's [GROUP, n_slots] block of the Eq. 8 inputs."""
+    first_token = OFFSET * CMP_STRIDE  # relative to the selection block's first token
+    overlap = (tl.minimum(first_token + CMP_BLOCK, SEL_BLOCK) - tl.maximum(first_token, 0)) // CMP_STRIDE
+    i = j * (SEL_BLOCK // CMP_STRIDE) + OFFSET
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h < GROUP)[:, None] & (ok & (i >= 0) & (i < n_visible))[None, :]
+    x = tl.load(logits + offs_h[:, None] * n_slots + i[None, :], mask=mask, other=0.0)
+    if LOGIT_SCORES:
+        p_cmp = tl.where(mask, x, 0.0)
+    else:
+        p_cmp = tl.exp2(tl.where(mask, x - lse2[:, None], float("-inf")))
+    return overlap.to(tl.float32) * p_cmp
+
+
+@triton.jit
+def _select_kernel(
+    LENGTHS, N_NEW, LOGITS, O_PART, M_PART, L_PART, R_PART, O_CMP, READS_CMP, LISTS,
+    stride_ob, stride_oh,
+    n_slots, n_cmp_split, blocks_per_list, n_lists,
+    HKV: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
+    STRICT: tl.constexpr, LOGIT_SCORES: tl.constexpr, MEAN: tl.constexpr,
+    EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, SCORE_BLOCK: tl.constexpr, CMP_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    g = row % HKV
+    b = row // HKV
+    p, held = step_position(LENGTHS, N_NEW, b)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if c == 0:  # o_cmp and the compressed reads, once per row
+        acc, m_o, l_o, reads = merge_partials(O_PART, M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split,
+                                              BLOCK_H, BLOCK_DV, CMP_SPLITS, MERGE_CHUNK)
+        out = acc / tl.where(l_o > 0.0, l_o, 1.0)[:, None]
+        tl.store(O_CMP + b * stride_ob + (g * GROUP + offs_h[:, None]) * stride_oh + offs_dv[None, :],
+                 out.to(O_CMP.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & (offs_dv < DV)[None, :])
+        tl.store(READS_CMP + row, reads.to(tl.int64))
+    m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, BLOCK_H, CMP_SPLITS)
+    lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))  # each head's base-2 log-sum-exp over its visible tokens
+
+    n_visible = tl.minimum(visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, STRICT), n_slots)  # Eq. 7
+    logits = LOGITS + row * GROUP * n_slots
+    J = tl.where(p >= 0, p // SEL_BLOCK, -1)  # Eq. 12: blocks 0..J exist (p = -1: none)
+    first = tl.program_id(1) * blocks_per_list
+    stop = tl.minimum(first + blocks_per_list, J + 1).to(tl.int32)
+    best = tl.full([N_PAD], EMPTY, dtype=tl.int64)
+    for start in range(first, stop, SCORE_BLOCK):
+        j = start + tl.arange(0, SCORE_BLOCK)
+        ok = j < stop
+        pooled = _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST, GROUP, BLOCK_H, CMP_BLOCK,
+                           CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
+        for k in tl.static_range(1, EQ9_BAND):  # Eq. 9 per head: band terms in scoring.pool_eq9's order
+            pooled = pooled + _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST + k, GROUP, BLOCK_H,
+                                        CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
+        total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
+        for h in range(GROUP):  # Eq. 10: head by head, in head order (a row of zeros and one head: exact)
+            total = total + tl.sum(tl.where(offs_h[:, None] == h, pooled, 0.0), 0)
+        if MEAN:
+            total = total / GROUP
+        best = score_into_list(best, total, j, ok, J, N_INIT, N_LOCAL, N_SEL, N_PAD)  # Eq. 11
+    tl.store(LISTS + (row * n_lists + c) * N_PAD + tl.arange(0, N_PAD), best)
