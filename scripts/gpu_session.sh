@@ -15,6 +15,8 @@
 #                                                  both GPU gates at once (the sentinels-gpu report is issue 5's GPU
 #                                                  run), then a launch with another config hash (must be refused) and
 #                                                  the authorized launch, stopped by .HALT after a few steps
+#   bash scripts/gpu_session.sh select [seconds]   GPU parity of the fused top-n and Eq. 5 kernels, then a sweep of the
+#                                                  whole layer (SDPA vs range_backend=triton), 8k-128k, fwd and fwd+bwd
 #   bash scripts/gpu_session.sh decode [seconds]   the decode GPU tests (tests/test_decode_gpu.py: lean step at the
 #                                                  paper layout, graphs, Table 4 reads at 64k), then the decode-step
 #                                                  benchmark (8k-128k x batch 1, 16) with the time left
@@ -22,7 +24,7 @@
 # COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
 # `tar xzf gpu_session-<mode>.tgz -C <dir>`; reports/README.md says where each file is committed.
 set -u
-MODE=${1:?usage: gpu_session.sh checks|range|perf|gate|decode [seconds]}
+MODE=${1:?usage: gpu_session.sh checks|range|perf|gate|select|decode [seconds]}
 BUDGET=${2:-400}
 REAL_OUT=${OUT:?OUT must name the folder whose files come back}
 STAGE=$(mktemp -d)
@@ -123,6 +125,19 @@ case "$MODE" in
     ls -la "$RUN_DIR" "$RUN_DIR/checkpoints" > "$STAGE/run/listing.txt" 2>&1
     pack
     ;;
+  select)
+    NSA_REPORT_DIR=$STAGE/reports/parity timeout -k 15 200 python3 -m pytest -q -rfE -p no:cacheprovider -n 8 \
+      conformance/test_kernel_select_top_n.py conformance/test_kernel_select_top_n_gpu.py \
+      conformance/test_kernel_gated_sum.py > "$STAGE/select_parity.log" 2>&1
+    echo "exit $?" >> "$STAGE/select_parity.log"
+    pack
+    COMMIT_ARGS=${COMMIT:+--commit $COMMIT}
+    OUT=$STAGE timeout -k 15 $(( $(left) - 10 )) python3 -m perf run --device cuda $COMMIT_ARGS \
+      --impls "sdpa,nsa[range_backend=triton]" --stages none --seq-lens 8k,16k,32k,64k,128k --case-cap 40 \
+      --time-budget $(( $(left) - 40 )) > "$STAGE/perf_layer.log" 2>&1
+    echo "exit $?" >> "$STAGE/perf_layer.log"
+    pack
+    ;;
   decode)
     OUT=$STAGE timeout -k 15 $(( $(left) / 2 )) python3 -m pytest -v --tb=short -rfE --durations=15 \
       -p no:cacheprovider -m gpu tests/test_decode_gpu.py > "$STAGE/decode_gpu_tests.log" 2>&1
@@ -134,7 +149,7 @@ case "$MODE" in
     pack
     ;;
   *)
-    echo "unknown mode $MODE (checks | range | perf | gate | decode)" >&2
+    echo "unknown mode $MODE (checks | range | perf | gate | select | decode)" >&2
     exit 2
     ;;
 esac

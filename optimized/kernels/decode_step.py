@@ -102,6 +102,21 @@ def step_splits(rows: int, n_cmp_slots: int, n_sel_blocks: int, n_sel: int, sel_
                       slc=slc, win=clamp(sparse - slc, window_tiles))
 
 
+def default_step_splits(q: Tensor, history: tuple[Tensor, Tensor], window: tuple[Tensor, Tensor], rules: StepRules,
+                        n_cmp_slots: int, n_sel_blocks: int) -> StepSplits:
+    """step_splits for a step of queries q [B, 1, Hq, dk] over these history / window buffers (what
+    lean_decode_step uses when no splits are given; perf.decode_profile varies them)."""
+    B, _, Hq, dk = q.shape
+    Hkv, dv = history[0].shape[1], history[1].shape[3]
+    window_slots = window[0].shape[2] - 1
+    block_h, block_dv = padded(Hq // Hkv), padded(dv)
+    window_tiles = max(1, -(-window_slots // key_tile_rows(rules.sel_block, BLOCK_N)))
+    key_bytes = (dk + dv) * q.element_size()
+    partial_bytes = (block_h * block_dv + 2 * block_h + 1) * 4
+    return step_splits(B * Hkv, max(1, n_cmp_slots), n_sel_blocks, rules.n_sel, rules.sel_block, window_slots,
+                       window_tiles, key_bytes, partial_bytes, q.device)
+
+
 def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths: Tensor, n_new: Tensor,
                      compressed: tuple[Tensor, Tensor], raw: tuple[Tensor, Tensor], history: tuple[Tensor, Tensor],
                      window: tuple[Tensor, Tensor], rules: StepRules, n_cmp_slots: int, n_sel_blocks: int,
@@ -121,10 +136,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     block_n = key_tile_rows(rules.sel_block, BLOCK_N)  # selected and window key tiles: B_k | l'
     tiles_per_block = -(-rules.sel_block // block_n)
     window_tiles = max(1, -(-window_slots // block_n))
-    key_bytes = (dk + dv) * q.element_size()
-    partial_bytes = (block_h * block_dv + 2 * block_h + 1) * 4
-    splits = splits or step_splits(rows, n_cmp_slots, n_sel_blocks, rules.n_sel, rules.sel_block, window_slots,
-                                   window_tiles, key_bytes, partial_bytes, dev)
+    splits = splits or default_step_splits(q, history, window, rules, n_cmp_slots, n_sel_blocks)
     # every split gets work: the shares first, then the splits they need
     cmp_rows = cmp_tile_rows()
     cmp_tiles = max(1, -(-n_cmp_slots // cmp_rows))
