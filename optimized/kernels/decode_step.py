@@ -1,6 +1,6 @@
 """The lean decode step: one token per row in five launches (docs/decode.md, "Lean step").
 
-    append  -> compressed splits -> select (combine + Eq. 8-11 lists) -> selected/window splits -> gate (Eq. 5)
+    append  -> compressed splits -> select (Eq. 8-11 lists) -> selected/window splits -> gate (split merges, Eq. 5)
 
 (optimized/kernels/decode_append.py, decode_step_cmp.py, decode_step_sparse.py). Positions, visibility, the window
 mask, Eq. 9's weights and Eq. 11's forced blocks are computed inside the kernels from the rows' lengths and the
@@ -28,10 +28,11 @@ from .tiling import MIN_DOT, interpreting, key_tile_rows, padded
 from .top_n import list_width
 
 BLOCK_N = 64  # key-tile rows of the compressed split (16 in the interpreter, so tiny tests span several tiles)
-SCORE_BLOCK = 256  # selection blocks scored per chunk by a select program
+SCORE_BLOCK = 64  # selection blocks scored per chunk by a select program
 BLOCKS_PER_LIST = 64  # at least this many selection blocks per select program
 MAX_LISTS = 16  # select programs per row (the sparse kernel merges n * MAX_LISTS candidates)
-MERGE_CHUNK = 4  # split partials loaded at once by a merge
+SELECT_WARPS = 1  # a select program is one warp (its per-head sums and top-n rounds are reductions)
+STEP_WARPS = 4  # warps of the other launches' programs
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,10 @@ def step_splits(rows: int, n_cmp_slots: int, n_sel_blocks: int, n_sel: int, sel_
     programs, rounded down per row; 1 in the interpreter, where tests replace this function to exercise several),
     but a row's keys are cut into at most about sqrt(keys * key_bytes / partial_bytes) splits: one program merges a
     row's partials, so past that the partials it reads cost more than the keys a split saves the others. The sparse
-    launch shares its programs between the selected and window keys in proportion."""
+    launch shares its programs between the selected and window keys in proportion. The select launch's programs are
+    one warp each, so it gets STEP_WARPS / SELECT_WARPS times the budget (the same warps per SM)."""
     per_row = max(1, program_budget(device) // max(rows, 1))
+    select_per_row = max(1, program_budget(device) * (STEP_WARPS // SELECT_WARPS) // max(rows, 1))
 
     def splits(keys: int) -> int:
         return max(1, min(per_row, round(math.sqrt(keys * key_bytes / partial_bytes))))
@@ -98,7 +101,7 @@ def step_splits(rows: int, n_cmp_slots: int, n_sel_blocks: int, n_sel: int, sel_
     sparse = splits(sel_keys + window_slots)
     slc = clamp(round(sparse * sel_keys / (sel_keys + window_slots)), n_sel)
     return StepSplits(cmp=clamp(splits(n_cmp_slots), -(-n_cmp_slots // cmp_tile_rows())),
-                      lists=clamp(min(per_row, MAX_LISTS), -(-n_sel_blocks // BLOCKS_PER_LIST)),
+                      lists=clamp(min(select_per_row, MAX_LISTS), -(-n_sel_blocks // BLOCKS_PER_LIST)),
                       slc=slc, win=clamp(sparse - slc, window_tiles))
 
 
@@ -174,23 +177,21 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
         n_cmp_slots, keys_per_split, splits.cmp, scale * LOG2E, scale,
         HKV=Hkv, GROUP=group, DK=dk, DV=dv, BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=cmp_rows,
         CMP_BLOCK=rules.cmp_block, CMP_STRIDE=rules.cmp_stride, STRICT=rules.strict_visibility,
-        LOGIT_SCORES=rules.logit_scores, DOT_FP32=dot_fp32, num_warps=4, num_stages=2,
+        LOGIT_SCORES=rules.logit_scores, DOT_FP32=dot_fp32, num_warps=STEP_WARPS, num_stages=2,
     )
 
-    # select: o_cmp, compressed reads, and each select program's list of its n best blocks
+    # select: each select program's list of its n best blocks
     lists = torch.empty((rows, splits.lists, n_pad), dtype=torch.int64, device=dev)
     _select_kernel[(rows, splits.lists)](
-        lengths, n_new, logits, cmp_parts.o, cmp_parts.m, cmp_parts.l, cmp_parts.reads, out.o_cmp, out.reads_cmp,
-        lists,
-        out.o_cmp.stride(0), out.o_cmp.stride(2),
+        lengths, n_new, logits, cmp_parts.m, cmp_parts.l, cmp_parts.reads, lists,
         n_cmp_slots, splits.cmp, blocks_per_list, splits.lists,
-        HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
+        HKV=Hkv, GROUP=group, BLOCK_H=block_h,
         CMP_BLOCK=rules.cmp_block, CMP_STRIDE=rules.cmp_stride, SEL_BLOCK=rules.sel_block,
         N_INIT=rules.n_init, N_LOCAL=rules.n_local, N_SEL=rules.n_sel, N_PAD=n_pad,
         STRICT=rules.strict_visibility, LOGIT_SCORES=rules.logit_scores, MEAN=rules.mean_reduce,
         EQ9_FIRST=rules.eq9_first_offset, EQ9_BAND=rules.eq9_band,
         SCORE_BLOCK=min(SCORE_BLOCK, padded(blocks_per_list)), CMP_SPLITS=triton.next_power_of_2(splits.cmp),
-        MERGE_CHUNK=MERGE_CHUNK, num_warps=4, num_stages=1,
+        num_warps=SELECT_WARPS, num_stages=1,
     )
 
     # selected and window splits
@@ -206,17 +207,20 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
         scale * LOG2E,
         HKV=Hkv, GROUP=group, DK=dk, DV=dv, BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=block_n,
         SEL_BLOCK=rules.sel_block, TILES_PER_BLOCK=tiles_per_block, N_SEL=rules.n_sel,
-        N_PAD=n_pad, LISTS_PAD=triton.next_power_of_2(splits.lists), DOT_FP32=dot_fp32, num_warps=4, num_stages=2,
+        N_PAD=n_pad, LISTS_PAD=triton.next_power_of_2(splits.lists), DOT_FP32=dot_fp32, num_warps=STEP_WARPS,
+        num_stages=2,
     )
 
-    # Eq. 5
+    # o_cmp, o_slc, o_win from their splits, and Eq. 5
     _gate_kernel[(rows,)](
-        sparse_parts.o, sparse_parts.m, sparse_parts.l, sparse_parts.reads, out.o_cmp, gates, n_new, out.o,
-        out.o_slc, out.o_win, out.reads_slc, out.reads_win,
+        sparse_parts.o, sparse_parts.m, sparse_parts.l, sparse_parts.reads, cmp_parts.o, cmp_parts.m, cmp_parts.l,
+        cmp_parts.reads, gates, n_new, out.o, out.o_cmp, out.o_slc, out.o_win, out.reads_cmp, out.reads_slc,
+        out.reads_win,
         out.o.stride(0), out.o.stride(2), gates.stride(0), gates.stride(2), gates.stride(3),
-        splits.slc, splits.win,
+        splits.cmp, splits.slc, splits.win,
         HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
-        SPLITS=triton.next_power_of_2(max(splits.slc, splits.win)), MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
+        CMP_SPLITS=triton.next_power_of_2(splits.cmp), SPLITS=triton.next_power_of_2(max(splits.slc, splits.win)),
+        num_warps=STEP_WARPS,
     )
     return out
 

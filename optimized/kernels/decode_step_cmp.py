@@ -5,9 +5,9 @@
    query position and the row's emitted count, so no [B, TQ, N] mask is built. Each program writes its partial
    (max, sum, output, keys admitted) and the Eq. 8 input of every key it admitted: the base-2 scaled logits
    q.k / sqrt(d_k) * log2(e) the softmax used (selection score "probs") or the scaled logits ("logits").
-2. select kernel: one program per (row, KV group) and share of the selection blocks. Every program merges the
-   compressed splits into each head's log-sum-exp; the first also writes o_cmp and the compressed reads. Then, for
-   its blocks j <= J = p // l', in chunks: Eq. 8 p_cmp = 2^(x - lse2) over the visible compressed tokens (or the
+2. select kernel: one program (one warp: its reductions stay within the warp) per (row, KV group) and share of the
+   selection blocks. Every program merges the compressed splits' max and sum into each head's log-sum-exp (the gate
+   kernel merges their outputs into o_cmp). Then, for its blocks j <= J = p // l', in chunks: Eq. 8 p_cmp = 2^(x - lse2) over the visible compressed tokens (or the
    logits), Eq. 9 the banded overlap weights of masks.eq9_pool_weights added in scoring.pool_eq9's term order,
    Eq. 10 the sum (or mean) over the group's heads added head by head, and Eq. 11's ranking (optimized/kernels/
    top_n.py) into the program's list of its n best blocks. The sparse kernel merges the lists.
@@ -18,8 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import (merge_partials, merge_stats, qk_tile, softmax_update, step_position, store_partial,
-                           visible_cmp_count)
+from .decode_tiles import merge_stats, qk_tile, softmax_update, step_position, store_partial, visible_cmp_count
 from .top_n import EMPTY, score_into_list
 
 
@@ -107,31 +106,19 @@ def _eq9_term(logits, j, ok, lse2, n_visible, n_slots, OFFSET: tl.constexpr, GRO
 
 @triton.jit
 def _select_kernel(
-    LENGTHS, N_NEW, LOGITS, O_PART, M_PART, L_PART, R_PART, O_CMP, READS_CMP, LISTS,
-    stride_ob, stride_oh,
+    LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, LISTS,
     n_slots, n_cmp_split, blocks_per_list, n_lists,
-    HKV: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
     STRICT: tl.constexpr, LOGIT_SCORES: tl.constexpr, MEAN: tl.constexpr,
     EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, SCORE_BLOCK: tl.constexpr, CMP_SPLITS: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    g = row % HKV
     b = row // HKV
     p, held = step_position(LENGTHS, N_NEW, b)
 
     offs_h = tl.arange(0, BLOCK_H)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    if c == 0:  # o_cmp and the compressed reads, once per row
-        acc, m_o, l_o, reads = merge_partials(O_PART, M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split,
-                                              BLOCK_H, BLOCK_DV, CMP_SPLITS, MERGE_CHUNK)
-        out = acc / tl.where(l_o > 0.0, l_o, 1.0)[:, None]
-        tl.store(O_CMP + b * stride_ob + (g * GROUP + offs_h[:, None]) * stride_oh + offs_dv[None, :],
-                 out.to(O_CMP.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & (offs_dv < DV)[None, :])
-        tl.store(READS_CMP + row, reads.to(tl.int64))
     m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, BLOCK_H, CMP_SPLITS)
     lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))  # each head's base-2 log-sum-exp over its visible tokens
 
@@ -155,4 +142,4 @@ def _select_kernel(
         if MEAN:
             total = total / GROUP
         best = score_into_list(best, total, j, ok, J, N_INIT, N_LOCAL, N_SEL, N_PAD)  # Eq. 11
-    tl.store(LISTS + (row * n_lists + c) * N_PAD + tl.arange(0, N_PAD), best)
+    tl.store(LISTS + (row * n_lists + tl.program_id(1)) * N_PAD + tl.arange(0, N_PAD), best)

@@ -7,8 +7,8 @@
    - window splits (Section 3.3.3): a share of the window ring, each slot's token position computed from the row's
      length (slot t mod W holds token t), admitted when window_start(p) = p - (window_size - 1) <= t <= p.
    Every program writes its partial (max, sum, output, keys admitted).
-4. gate kernel: one program per (row, KV group) merges the selected splits into o_slc and the window splits into
-   o_win, and applies Eq. 5 with o_cmp: o = g_cmp o_cmp + g_slc o_slc + g_win o_win, each product and sum rounded
+4. gate kernel: one program per (row, KV group) merges the compressed splits into o_cmp, the selected splits into
+   o_slc and the window splits into o_win, and applies Eq. 5 with o_cmp: o = g_cmp o_cmp + g_slc o_slc + g_win o_win, each product and sum rounded
    to the output dtype as torch's gated_sum does; a padding query gets o = 0.
 """
 
@@ -107,11 +107,12 @@ def _normalised(acc, l_i, DTYPE: tl.constexpr):
 
 @triton.jit
 def _gate_kernel(
-    O_PART, M_PART, L_PART, R_PART, O_CMP, GATES, N_NEW, O, O_SLC, O_WIN, READS_SLC, READS_WIN,
+    O_PART, M_PART, L_PART, R_PART, O_CPART, M_CPART, L_CPART, R_CPART, GATES, N_NEW, O, O_CMP, O_SLC, O_WIN,
+    READS_CMP, READS_SLC, READS_WIN,
     stride_ob, stride_oh, stride_gb, stride_gh, stride_gc,
-    n_slc_split, n_win_split,
+    n_cmp_split, n_slc_split, n_win_split,
     HKV: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    CMP_SPLITS: tl.constexpr, SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     g = row % HKV
@@ -121,16 +122,18 @@ def _gate_kernel(
     head_mask = offs_h < GROUP
     heads = g * GROUP + offs_h
     first = row * (n_slc_split + n_win_split)
+    acc_c, m_c, l_c, reads_c = merge_partials(O_CPART, M_CPART, L_CPART, R_CPART, row * n_cmp_split, n_cmp_split,
+                                              BLOCK_H, BLOCK_DV, CMP_SPLITS)
     acc_s, m_s, l_s, reads_s = merge_partials(O_PART, M_PART, L_PART, R_PART, first, n_slc_split, BLOCK_H, BLOCK_DV,
-                                              SPLITS, MERGE_CHUNK)
+                                              SPLITS)
     acc_w, m_w, l_w, reads_w = merge_partials(O_PART, M_PART, L_PART, R_PART, first + n_slc_split, n_win_split,
-                                              BLOCK_H, BLOCK_DV, SPLITS, MERGE_CHUNK)
+                                              BLOCK_H, BLOCK_DV, SPLITS)
     DTYPE: tl.constexpr = O.dtype.element_ty
+    o_cmp = _normalised(acc_c, l_c, DTYPE)
     o_slc = _normalised(acc_s, l_s, DTYPE)
     o_win = _normalised(acc_w, l_w, DTYPE)
     out = b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
     out_mask = head_mask[:, None] & (offs_dv < DV)[None, :]
-    o_cmp = tl.load(O_CMP + out, mask=out_mask, other=0.0)
     gate = GATES + b * stride_gb + heads * stride_gh
     g_cmp = tl.load(gate, mask=head_mask, other=0.0).to(tl.float32)
     g_slc = tl.load(gate + stride_gc, mask=head_mask, other=0.0).to(tl.float32)
@@ -143,7 +146,9 @@ def _gate_kernel(
          + term_win.to(tl.float32)).to(DTYPE)
     real = tl.load(N_NEW + b) > 0
     tl.store(O + out, tl.where(real, o, 0.0).to(DTYPE), mask=out_mask)  # a padding query gets 0
+    tl.store(O_CMP + out, o_cmp, mask=out_mask)
     tl.store(O_SLC + out, o_slc, mask=out_mask)
     tl.store(O_WIN + out, o_win, mask=out_mask)
+    tl.store(READS_CMP + row, reads_c.to(tl.int64))
     tl.store(READS_SLC + row, reads_s.to(tl.int64))
     tl.store(READS_WIN + row, reads_w.to(tl.int64))

@@ -68,22 +68,23 @@ def merge_stats(M_PART, L_PART, R_PART, first, count, BLOCK_H: tl.constexpr, SPL
 
 @triton.jit
 def merge_partials(O_PART, M_PART, L_PART, R_PART, first, count, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+                   SPLITS: tl.constexpr):
     """Log-sum-exp merge (FlashDecoding) of the `count` (<= SPLITS) partials from index `first` on: merge_stats,
-    then the outputs rescaled to the common max, CHUNK partials per load. Returns (unnormalised output
-    [BLOCK_H, BLOCK_DV], base-2 max and sum [BLOCK_H], keys counted)."""
+    then the outputs rescaled to the common max and added in split order, one [BLOCK_H, BLOCK_DV] tile per partial,
+    unrolled so every load can be issued before the sums need it, with no reduction over partials (docs/decode.md,
+    "Lean step", says why this replaced a 3-D [chunk, heads, d_v] load reduced over the chunk). Returns
+    (unnormalised output [BLOCK_H, BLOCK_DV], base-2 max and sum [BLOCK_H], keys counted)."""
     m_run, l_run, reads = merge_stats(M_PART, L_PART, R_PART, first, count, BLOCK_H, SPLITS)
     offs_h = tl.arange(0, BLOCK_H)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    for start in range(0, count, CHUNK):
-        part = first + start + offs_c
-        in_use = start + offs_c < count
-        m_s = tl.load(M_PART + part[:, None] * BLOCK_H + offs_h[None, :], mask=in_use[:, None], other=float("-inf"))
-        o_s = tl.load(O_PART + (part[:, None, None] * BLOCK_H + offs_h[None, :, None]) * BLOCK_DV
-                      + offs_dv[None, None, :], mask=in_use[:, None, None], other=0.0)
-        acc += tl.sum(o_s * tl.exp2(m_s - m_run[None, :])[:, :, None], 0)
+    for s in tl.static_range(SPLITS):
+        part = first + s
+        in_use = s < count
+        m_s = tl.load(M_PART + part * BLOCK_H + offs_h, mask=in_use, other=float("-inf"))
+        o_s = tl.load(O_PART + (part * BLOCK_H + offs_h[:, None]) * BLOCK_DV + offs_dv[None, :], mask=in_use,
+                      other=0.0)
+        acc += o_s * tl.exp2(m_s - m_run)[:, None]
     return acc, m_run, l_run, reads
 
 
