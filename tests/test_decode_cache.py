@@ -354,11 +354,14 @@ def test_lean_step_equals_seam_path_on_small_configs(case):
 
 def test_lean_step_with_several_splits(monkeypatch):
     """Several compressed splits (two key tiles of 16 in the interpreter), select lists, selected splits and window
-    splits (a 20-slot window: two key tiles) give the same step."""
+    splits (a 20-slot window: two key tiles) give the same step; the gate kernel's merges take the splits two at a
+    time and its programs 16 output columns each (d_v = 40, padded to 64: four programs per row)."""
     from optimized.kernels import decode_step
 
     monkeypatch.setattr(decode_step, "step_splits", lambda *args: decode_step.StepSplits(cmp=3, lists=3, slc=3, win=2))
-    cfg = SMALL.replace(window=20, n_sel=4)
+    monkeypatch.setattr(decode_step, "MERGE_CHUNK", 2)
+    monkeypatch.setattr(decode_step, "GATE_TILE_DV", 16)
+    cfg = SMALL.replace(window=20, n_sel=5, head_dim_v=40)  # 3 selected splits of 2, 2, 1 blocks
     x = make_inputs(cfg, 52, B=2, seed=5, dtype=torch.float32)
     lean_run(cfg, x, [45, 38], STEPS[:6])
 

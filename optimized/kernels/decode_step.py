@@ -33,6 +33,8 @@ BLOCKS_PER_LIST = 64  # at least this many selection blocks per select program
 MAX_LISTS = 16  # select programs per row (the sparse kernel merges n * MAX_LISTS candidates)
 SELECT_WARPS = 1  # a select program is one warp (its per-head sums and top-n rounds are reductions)
 STEP_WARPS = 4  # warps of the other launches' programs
+GATE_TILE_DV = 32  # output columns per gate program (its split merges hold [heads, 32] tiles)
+MERGE_CHUNK = 8  # split partials a merge loads at once (unrolled)
 
 
 @dataclass(frozen=True)
@@ -212,15 +214,16 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     )
 
     # o_cmp, o_slc, o_win from their splits, and Eq. 5
-    _gate_kernel[(rows,)](
+    tile_dv = min(GATE_TILE_DV, block_dv)
+    _gate_kernel[(rows, block_dv // tile_dv)](
         sparse_parts.o, sparse_parts.m, sparse_parts.l, sparse_parts.reads, cmp_parts.o, cmp_parts.m, cmp_parts.l,
         cmp_parts.reads, gates, n_new, out.o, out.o_cmp, out.o_slc, out.o_win, out.reads_cmp, out.reads_slc,
         out.reads_win,
         out.o.stride(0), out.o.stride(2), gates.stride(0), gates.stride(2), gates.stride(3),
         splits.cmp, splits.slc, splits.win,
-        HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
+        HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv, TILE_DV=tile_dv,
         CMP_SPLITS=triton.next_power_of_2(splits.cmp), SPLITS=triton.next_power_of_2(max(splits.slc, splits.win)),
-        num_warps=STEP_WARPS,
+        MERGE_CHUNK=MERGE_CHUNK, num_warps=STEP_WARPS,
     )
     return out
 

@@ -7,8 +7,8 @@
    - window splits (Section 3.3.3): a share of the window ring, each slot's token position computed from the row's
      length (slot t mod W holds token t), admitted when window_start(p) = p - (window_size - 1) <= t <= p.
    Every program writes its partial (max, sum, output, keys admitted).
-4. gate kernel: one program per (row, KV group) merges the compressed splits into o_cmp, the selected splits into
-   o_slc and the window splits into o_win, and applies Eq. 5 with o_cmp: o = g_cmp o_cmp + g_slc o_slc + g_win o_win, each product and sum rounded
+4. gate kernel: one program per (row, KV group) and TILE_DV output columns merges the compressed splits into
+   o_cmp, the selected splits into o_slc and the window splits into o_win, and applies Eq. 5 with o_cmp: o = g_cmp o_cmp + g_slc o_slc + g_win o_win, each product and sum rounded
    to the output dtype as torch's gated_sum does; a padding query gets o = 0.
 """
 
@@ -112,22 +112,23 @@ def _gate_kernel(
     stride_ob, stride_oh, stride_gb, stride_gh, stride_gc,
     n_cmp_split, n_slc_split, n_win_split,
     HKV: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CMP_SPLITS: tl.constexpr, SPLITS: tl.constexpr,
+    TILE_DV: tl.constexpr, CMP_SPLITS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    dv_first = tl.program_id(1) * TILE_DV  # this program's output columns
     g = row % HKV
     b = row // HKV
     offs_h = tl.arange(0, BLOCK_H)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = dv_first + tl.arange(0, TILE_DV)
     head_mask = offs_h < GROUP
     heads = g * GROUP + offs_h
     first = row * (n_slc_split + n_win_split)
     acc_c, m_c, l_c, reads_c = merge_partials(O_CPART, M_CPART, L_CPART, R_CPART, row * n_cmp_split, n_cmp_split,
-                                              BLOCK_H, BLOCK_DV, CMP_SPLITS)
-    acc_s, m_s, l_s, reads_s = merge_partials(O_PART, M_PART, L_PART, R_PART, first, n_slc_split, BLOCK_H, BLOCK_DV,
-                                              SPLITS)
+                                              dv_first, BLOCK_H, BLOCK_DV, TILE_DV, CMP_SPLITS, MERGE_CHUNK)
+    acc_s, m_s, l_s, reads_s = merge_partials(O_PART, M_PART, L_PART, R_PART, first, n_slc_split, dv_first, BLOCK_H,
+                                              BLOCK_DV, TILE_DV, SPLITS, MERGE_CHUNK)
     acc_w, m_w, l_w, reads_w = merge_partials(O_PART, M_PART, L_PART, R_PART, first + n_slc_split, n_win_split,
-                                              BLOCK_H, BLOCK_DV, SPLITS)
+                                              dv_first, BLOCK_H, BLOCK_DV, TILE_DV, SPLITS, MERGE_CHUNK)
     DTYPE: tl.constexpr = O.dtype.element_ty
     o_cmp = _normalised(acc_c, l_c, DTYPE)
     o_slc = _normalised(acc_s, l_s, DTYPE)
@@ -149,6 +150,7 @@ def _gate_kernel(
     tl.store(O_CMP + out, o_cmp, mask=out_mask)
     tl.store(O_SLC + out, o_slc, mask=out_mask)
     tl.store(O_WIN + out, o_win, mask=out_mask)
-    tl.store(READS_CMP + row, reads_c.to(tl.int64))
-    tl.store(READS_SLC + row, reads_s.to(tl.int64))
-    tl.store(READS_WIN + row, reads_w.to(tl.int64))
+    if tl.program_id(1) == 0:
+        tl.store(READS_CMP + row, reads_c.to(tl.int64))
+        tl.store(READS_SLC + row, reads_s.to(tl.int64))
+        tl.store(READS_WIN + row, reads_w.to(tl.int64))

@@ -67,24 +67,25 @@ def merge_stats(M_PART, L_PART, R_PART, first, count, BLOCK_H: tl.constexpr, SPL
 
 
 @triton.jit
-def merge_partials(O_PART, M_PART, L_PART, R_PART, first, count, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   SPLITS: tl.constexpr):
-    """Log-sum-exp merge (FlashDecoding) of the `count` (<= SPLITS) partials from index `first` on: merge_stats,
-    then the outputs rescaled to the common max and added in split order, one [BLOCK_H, BLOCK_DV] tile per partial,
-    unrolled so every load can be issued before the sums need it, with no reduction over partials (docs/decode.md,
-    "Lean step", says why this replaced a 3-D [chunk, heads, d_v] load reduced over the chunk). Returns
-    (unnormalised output [BLOCK_H, BLOCK_DV], base-2 max and sum [BLOCK_H], keys counted)."""
+def merge_partials(O_PART, M_PART, L_PART, R_PART, first, count, dv_first, BLOCK_H: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, TILE_DV: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    """Log-sum-exp merge (FlashDecoding) of the `count` (<= SPLITS) partials from index `first` on, output columns
+    dv_first .. dv_first + TILE_DV - 1: merge_stats, then the outputs rescaled to the common max and added in split
+    order, one [BLOCK_H, TILE_DV] tile per partial, CHUNK tiles unrolled per loop step so their loads are in flight
+    together (no reduction over partials; docs/decode.md, "Lean step", says why). Returns (unnormalised output
+    [BLOCK_H, TILE_DV], base-2 max and sum [BLOCK_H], keys counted)."""
     m_run, l_run, reads = merge_stats(M_PART, L_PART, R_PART, first, count, BLOCK_H, SPLITS)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        part = first + s
-        in_use = s < count
-        m_s = tl.load(M_PART + part * BLOCK_H + offs_h, mask=in_use, other=float("-inf"))
-        o_s = tl.load(O_PART + (part * BLOCK_H + offs_h[:, None]) * BLOCK_DV + offs_dv[None, :], mask=in_use,
-                      other=0.0)
-        acc += o_s * tl.exp2(m_s - m_run)[:, None]
+    offs_dv = dv_first + tl.arange(0, TILE_DV)
+    acc = tl.zeros([BLOCK_H, TILE_DV], dtype=tl.float32)
+    for start in range(0, count, CHUNK):
+        for c in tl.static_range(CHUNK):
+            part = first + start + c
+            in_use = start + c < count
+            m_s = tl.load(M_PART + part * BLOCK_H + offs_h, mask=in_use, other=float("-inf"))
+            o_s = tl.load(O_PART + (part * BLOCK_H + offs_h[:, None]) * BLOCK_DV + offs_dv[None, :], mask=in_use,
+                          other=0.0)
+            acc += o_s * tl.exp2(m_s - m_run)[:, None]
     return acc, m_run, l_run, reads
 
 

@@ -1,0 +1,197 @@
+"""Where the lean decode step's select kernel spends its time (issue 6; a GPU diagnostic).
+
+perf.decode_profile measured the select launch (optimized/kernels/decode_step_cmp._select_kernel) at ~20 us for
+programs of a single 64-block chunk, far above its work. This probe times the kernel alone on synthetic inputs of
+the paper layout (16 heads per KV group, l = 32, d = 16, l' = 64, n = 16) with parts of a chunk's work removed,
+each variant a copy of the kernel that differs in one place, so the differences say what each part costs:
+
+- full: the kernel as the lean step launches it (1 warp), and with 4 warps;
+- band_1: Eq. 9 with one band term instead of five (EQ9_BAND = 1: four fewer gathers and exp2 per element);
+- no_head_sum: Eq. 10 as one reduction over the head axis instead of one masked reduction per head;
+- no_top_n: the scores summed into one number instead of Eq. 11's 16 rounds of int64 arg-max;
+- top_n_only: Eq. 11 on scores made from the block index (no loads, no Eq. 8-10);
+- per_head: Eq. 8-10 from one 1-D row of the logits per head (no [heads, blocks] tile, no per-head reduction),
+  the same terms added in the same order as the kernel (its scores are compared bitwise with full's lists).
+
+    python -m perf.decode_select_probe            # on a GPU; prints a table, writes decode_select_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from optimized.kernels.decode_step_cmp import _eq9_term, _select_kernel
+from optimized.kernels.decode_tiles import merge_stats, step_position, visible_cmp_count
+from optimized.kernels.top_n import EMPTY, score_into_list
+
+GROUP, HKV, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_SEL = 16, 4, 32, 16, 64, 16
+EQ9_FIRST, EQ9_BAND = -1, 5  # masks.eq9_pool_weights for l = 32, d = 16, l' = 64: offsets -1..3
+
+
+@triton.jit
+def _scores_of_chunk(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                     SCORE_BLOCK: tl.constexpr, EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr,
+                     HEAD_SUM: tl.constexpr, PER_HEAD: tl.constexpr, CMP_BLOCK: tl.constexpr = 32,
+                     CMP_STRIDE: tl.constexpr = 16, SEL_BLOCK: tl.constexpr = 64):
+    if PER_HEAD:
+        total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
+        for h in tl.static_range(GROUP):
+            lse_h = tl.sum(tl.where(offs_h == h, lse2, 0.0), 0)
+            row = logits + h * n_slots
+            for k in tl.static_range(EQ9_BAND):  # _eq9_term's weight and p_cmp, one head's row
+                first_token = (EQ9_FIRST + k) * CMP_STRIDE
+                overlap = (tl.minimum(first_token + CMP_BLOCK, SEL_BLOCK) - tl.maximum(first_token, 0)) // CMP_STRIDE
+                i = j * (SEL_BLOCK // CMP_STRIDE) + (EQ9_FIRST + k)
+                mask = ok & (i >= 0) & (i < n_visible)
+                x = tl.load(row + i, mask=mask, other=0.0)
+                term = overlap.to(tl.float32) * tl.exp2(tl.where(mask, x - lse_h, float("-inf")))
+                if k == 0:
+                    pooled = term
+                else:
+                    pooled = pooled + term
+            total = total + pooled
+    else:
+        pooled = _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST, GROUP, BLOCK_H, 32, 16, 64, False)
+        for k in tl.static_range(1, EQ9_BAND):
+            pooled = pooled + _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST + k, GROUP, BLOCK_H, 32,
+                                        16, 64, False)
+        if HEAD_SUM:
+            total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
+            for h in range(GROUP):
+                total = total + tl.sum(tl.where(offs_h[:, None] == h, pooled, 0.0), 0)
+        else:
+            total = tl.sum(pooled, 0)
+    return total
+
+
+@triton.jit
+def _select_variant_kernel(
+    LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, LISTS, SINK,
+    n_slots, n_cmp_split, blocks_per_list, n_lists,
+    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
+    EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, SCORE_BLOCK: tl.constexpr, CMP_SPLITS: tl.constexpr,
+    HEAD_SUM: tl.constexpr, TOP_N: tl.constexpr, SCORES: tl.constexpr, PER_HEAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HKV
+    p, held = step_position(LENGTHS, N_NEW, b)
+    offs_h = tl.arange(0, BLOCK_H)
+    m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, BLOCK_H, CMP_SPLITS)
+    lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
+    n_visible = tl.minimum(visible_cmp_count(p, held, 32, 16, False), n_slots)
+    logits = LOGITS + row * GROUP * n_slots
+    J = tl.where(p >= 0, p // 64, -1)
+    first = tl.program_id(1) * blocks_per_list
+    stop = tl.minimum(first + blocks_per_list, J + 1).to(tl.int32)
+    best = tl.full([N_PAD], EMPTY, dtype=tl.int64)
+    sink = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
+    for start in range(first, stop, SCORE_BLOCK):
+        j = start + tl.arange(0, SCORE_BLOCK)
+        ok = j < stop
+        if SCORES:
+            total = _scores_of_chunk(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP, BLOCK_H, SCORE_BLOCK,
+                                     EQ9_FIRST, EQ9_BAND, HEAD_SUM, PER_HEAD)
+        else:
+            total = ((j * 7919) % 1009).to(tl.float32)
+        if TOP_N:
+            best = score_into_list(best, total, j, ok, J, 1, 2, N_SEL, N_PAD)
+        else:
+            sink += tl.where(ok, total, 0.0)
+    tl.store(LISTS + (row * n_lists + tl.program_id(1)) * N_PAD + tl.arange(0, N_PAD), best)
+    tl.store(SINK + (row * n_lists + tl.program_id(1)) * SCORE_BLOCK + tl.arange(0, SCORE_BLOCK), sink)
+
+
+VARIANTS = {  # name: (kernel switches, warps)
+    "full (1 warp)": (None, 1),
+    "full (4 warps)": (None, 4),
+    "band_1": ({"EQ9_BAND": 1}, 1),
+    "no_head_sum": ({"HEAD_SUM": False}, 1),
+    "no_top_n": ({"TOP_N": False}, 1),
+    "top_n_only": ({"SCORES": False}, 1),
+    "per_head": ({"PER_HEAD": True}, 1),
+}
+
+
+def inputs(batch: int, context: int, splits: int, device: torch.device) -> dict:
+    rows = batch * HKV
+    n_slots = (context - CMP_BLOCK) // CMP_STRIDE + 1
+    g = torch.Generator(device=device).manual_seed(batch * 7 + context)
+    logits = torch.randn((rows, GROUP, n_slots), generator=g, device=device) * 4.0
+    m = torch.randn((rows, splits, GROUP), generator=g, device=device) + 6.0
+    l = torch.rand((rows, splits, GROUP), generator=g, device=device) * 50.0 + 1.0
+    reads = torch.full((rows, splits), 1, dtype=torch.int32, device=device)
+    lengths = torch.full((batch,), context, dtype=torch.int64, device=device)
+    return {"rows": rows, "n_slots": n_slots, "logits": logits, "m": m, "l": l, "reads": reads, "lengths": lengths,
+            "n_new": torch.ones(batch, dtype=torch.int64, device=device), "n_blocks": context // SEL_BLOCK}
+
+
+def launcher(x: dict, lists: int, splits: int, variant: str):
+    switches, warps = VARIANTS[variant]
+    blocks_per_list = -(-x["n_blocks"] // lists)
+    score_block = min(64, triton.next_power_of_2(blocks_per_list))
+    out = torch.empty((x["rows"], lists, 16), dtype=torch.int64, device=x["logits"].device)
+    sink = torch.empty((x["rows"], lists, score_block), dtype=torch.float32, device=x["logits"].device)
+    common = (x["lengths"], x["n_new"], x["logits"], x["m"], x["l"], x["reads"], out)
+    if switches is None:
+        def run():
+            _select_kernel[(x["rows"], lists)](
+                *common, x["n_slots"], splits, blocks_per_list, lists,
+                HKV=HKV, GROUP=GROUP, BLOCK_H=16, CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, SEL_BLOCK=SEL_BLOCK,
+                N_INIT=1, N_LOCAL=2, N_SEL=N_SEL, N_PAD=16, STRICT=False, LOGIT_SCORES=False, MEAN=False,
+                EQ9_FIRST=EQ9_FIRST, EQ9_BAND=EQ9_BAND, SCORE_BLOCK=score_block,
+                CMP_SPLITS=triton.next_power_of_2(splits), num_warps=warps, num_stages=1)
+    else:
+        kw = {"EQ9_BAND": EQ9_BAND, "HEAD_SUM": True, "TOP_N": True, "SCORES": True, "PER_HEAD": False, **switches}
+
+        def run():
+            _select_variant_kernel[(x["rows"], lists)](
+                *common, sink, x["n_slots"], splits, blocks_per_list, lists,
+                HKV=HKV, GROUP=GROUP, BLOCK_H=16, N_SEL=N_SEL, N_PAD=16, EQ9_FIRST=EQ9_FIRST,
+                SCORE_BLOCK=score_block, CMP_SPLITS=triton.next_power_of_2(splits), num_warps=warps, num_stages=1,
+                **kw)
+    return run, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="1x65536x16x16,16x65536x16x4,16x131072x16x4",
+                        help="batch x context x lists x compressed splits, comma-separated")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    results = []
+    for case in args.cases.split(","):
+        batch, context, lists, splits = (int(v) for v in case.split("x"))
+        x = inputs(batch, context, splits, device)
+        reference = None
+        for variant in VARIANTS:
+            run, out = launcher(x, lists, splits, variant)
+            us = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
+            same = None
+            if variant.startswith("full"):
+                reference = out.clone() if reference is None else reference
+            elif variant == "per_head":
+                same = bool(torch.equal(out, reference))
+            results.append({"batch": batch, "context": context, "lists": lists, "cmp_splits": splits,
+                            "variant": variant, "median_us": round(us, 2), "lists_equal_full": same})
+            print(f"{batch:3d} x {context:6d} lists {lists:2d} splits {splits:2d}  {variant:16s} {us:8.2f} us"
+                  + ("" if same is None else f"  lists equal to full: {same}"), flush=True)
+    out_dir = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "decode" if os.environ.get("OUT")
+                                              else Path("reports/decode"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decode_select_probe.json").write_text(json.dumps({
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms), L2 not flushed",
+        "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
