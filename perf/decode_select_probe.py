@@ -1,17 +1,17 @@
 """Where the lean decode step's select kernel spends its time (issue 6; a GPU diagnostic).
 
-perf.decode_profile measured the select launch (optimized/kernels/decode_step_cmp._select_kernel) at ~20 us for
-programs of a single 64-block chunk, far above its work. This probe times the kernel alone on synthetic inputs of
-the paper layout (16 heads per KV group, l = 32, d = 16, l' = 64, n = 16) with parts of a chunk's work removed,
-each variant a copy of the kernel that differs in one place, so the differences say what each part costs:
+perf.decode_profile measured the select launch (optimized/kernels/decode_step_cmp._select_kernel) at 20-55 us, far
+above its work. This probe times the kernel alone on synthetic inputs of the paper layout (16 heads per KV group,
+l = 32, d = 16, l' = 64, n = 16) next to copies that differ in one place, so the differences say what each part
+costs:
 
 - full: the kernel as the lean step launches it (1 warp), and with 4 warps;
-- band_1: Eq. 9 with one band term instead of five (EQ9_BAND = 1: four fewer gathers and exp2 per element);
-- no_head_sum: Eq. 10 as one reduction over the head axis instead of one masked reduction per head;
-- no_top_n: the scores summed into one number instead of Eq. 11's 16 rounds of int64 arg-max;
-- top_n_only: Eq. 11 on scores made from the block index (no loads, no Eq. 8-10);
-- per_head: Eq. 8-10 from one 1-D row of the logits per head (no [heads, blocks] tile, no per-head reduction),
-  the same terms added in the same order as the kernel (its scores are compared bitwise with full's lists).
+- tile: Eq. 8-10 as the kernel first did it, from a [heads, blocks] tile of the logits with one masked reduction
+  over the head axis per head (same terms, same order);
+- rounds: Eq. 11 as N_SEL rounds of int64 arg-max (top_n.take_top_n) instead of top_n_by_rank;
+- no_top_n: the scores summed into one number instead of Eq. 11;
+- top_n_only: Eq. 11 on scores made from the block index (no loads, no Eq. 8-10).
+The lists of tile and rounds are compared with full's (equal unless the compiler fuses a multiply-add differently).
 
     python -m perf.decode_select_probe            # on a GPU; prints a table, writes decode_select_probe.json
 """
@@ -29,45 +29,31 @@ import triton.language as tl
 
 from optimized.kernels.decode_step_cmp import _eq9_term, _select_kernel
 from optimized.kernels.decode_tiles import merge_stats, step_position, visible_cmp_count
-from optimized.kernels.top_n import EMPTY, score_into_list
+from optimized.kernels.top_n import EMPTY, rank_key, take_top_n, top_n_by_rank
 
 GROUP, HKV, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_SEL = 16, 4, 32, 16, 64, 16
 EQ9_FIRST, EQ9_BAND = -1, 5  # masks.eq9_pool_weights for l = 32, d = 16, l' = 64: offsets -1..3
 
 
 @triton.jit
-def _scores_of_chunk(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                     SCORE_BLOCK: tl.constexpr, EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr,
-                     HEAD_SUM: tl.constexpr, PER_HEAD: tl.constexpr, CMP_BLOCK: tl.constexpr = 32,
-                     CMP_STRIDE: tl.constexpr = 16, SEL_BLOCK: tl.constexpr = 64):
-    if PER_HEAD:
-        total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
-        for h in tl.static_range(GROUP):
-            lse_h = tl.sum(tl.where(offs_h == h, lse2, 0.0), 0)
-            row = logits + h * n_slots
-            for k in tl.static_range(EQ9_BAND):  # _eq9_term's weight and p_cmp, one head's row
-                first_token = (EQ9_FIRST + k) * CMP_STRIDE
-                overlap = (tl.minimum(first_token + CMP_BLOCK, SEL_BLOCK) - tl.maximum(first_token, 0)) // CMP_STRIDE
-                i = j * (SEL_BLOCK // CMP_STRIDE) + (EQ9_FIRST + k)
-                mask = ok & (i >= 0) & (i < n_visible)
-                x = tl.load(row + i, mask=mask, other=0.0)
-                term = overlap.to(tl.float32) * tl.exp2(tl.where(mask, x - lse_h, float("-inf")))
-                if k == 0:
-                    pooled = term
-                else:
-                    pooled = pooled + term
-            total = total + pooled
-    else:
-        pooled = _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST, GROUP, BLOCK_H, 32, 16, 64, False)
-        for k in tl.static_range(1, EQ9_BAND):
-            pooled = pooled + _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST + k, GROUP, BLOCK_H, 32,
-                                        16, 64, False)
-        if HEAD_SUM:
-            total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
-            for h in range(GROUP):
-                total = total + tl.sum(tl.where(offs_h[:, None] == h, pooled, 0.0), 0)
+def _tile_scores(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP: tl.constexpr, SCORE_BLOCK: tl.constexpr,
+                 EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr):
+    """Eq. 8-10 from [heads, blocks] tiles: per band term one 2-D load, then one masked reduction per head."""
+    pooled = tl.zeros([GROUP, SCORE_BLOCK], dtype=tl.float32)
+    for k in tl.static_range(EQ9_BAND):
+        first_token = (EQ9_FIRST + k) * 16
+        overlap = (tl.minimum(first_token + 32, 64) - tl.maximum(first_token, 0)) // 16
+        i = j * 4 + (EQ9_FIRST + k)
+        mask = (offs_h < GROUP)[:, None] & (ok & (i >= 0) & (i < n_visible))[None, :]
+        x = tl.load(logits + offs_h[:, None] * n_slots + i[None, :], mask=mask, other=0.0)
+        term = overlap.to(tl.float32) * tl.exp2(tl.where(mask, x - lse2[:, None], float("-inf")))
+        if k == 0:
+            pooled = term
         else:
-            total = tl.sum(pooled, 0)
+            pooled = pooled + term
+    total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
+    for h in range(GROUP):
+        total = total + tl.sum(tl.where(offs_h[:, None] == h, pooled, 0.0), 0)
     return total
 
 
@@ -75,15 +61,17 @@ def _scores_of_chunk(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP: tl.
 def _select_variant_kernel(
     LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, LISTS, SINK,
     n_slots, n_cmp_split, blocks_per_list, n_lists,
-    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
+    HKV: tl.constexpr, GROUP: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
     EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, SCORE_BLOCK: tl.constexpr, CMP_SPLITS: tl.constexpr,
-    HEAD_SUM: tl.constexpr, TOP_N: tl.constexpr, SCORES: tl.constexpr, PER_HEAD: tl.constexpr,
+    TILE: tl.constexpr, TOP_N: tl.constexpr, SCORES: tl.constexpr,
 ):
+    """_select_kernel for the paper layout with switches: TILE (Eq. 8-10 from 2-D tiles), TOP_N (0: none, 1: by
+    rank, 2: rounds), SCORES (False: scores from the block index)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // HKV
     p, held = step_position(LENGTHS, N_NEW, b)
-    offs_h = tl.arange(0, BLOCK_H)
-    m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, BLOCK_H, CMP_SPLITS)
+    offs_h = tl.arange(0, GROUP)
+    m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, GROUP, CMP_SPLITS)
     lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
     n_visible = tl.minimum(visible_cmp_count(p, held, 32, 16, False), n_slots)
     logits = LOGITS + row * GROUP * n_slots
@@ -95,15 +83,28 @@ def _select_variant_kernel(
     for start in range(first, stop, SCORE_BLOCK):
         j = start + tl.arange(0, SCORE_BLOCK)
         ok = j < stop
-        if SCORES:
-            total = _scores_of_chunk(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP, BLOCK_H, SCORE_BLOCK,
-                                     EQ9_FIRST, EQ9_BAND, HEAD_SUM, PER_HEAD)
-        else:
+        if not SCORES:
             total = ((j * 7919) % 1009).to(tl.float32)
-        if TOP_N:
-            best = score_into_list(best, total, j, ok, J, 1, 2, N_SEL, N_PAD)
+        elif TILE:
+            total = _tile_scores(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP, SCORE_BLOCK, EQ9_FIRST,
+                                 EQ9_BAND)
         else:
+            total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
+            for h in tl.static_range(GROUP):
+                lse2_h = tl.sum(tl.where(offs_h == h, lse2, 0.0), 0)
+                pooled = _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST, 32, 16, 64, False)
+                for k in tl.static_range(1, EQ9_BAND):
+                    pooled = pooled + _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST + k, 32,
+                                                16, 64, False)
+                total = total + pooled
+        if TOP_N == 0:
             sink += tl.where(ok, total, 0.0)
+        else:
+            cand = tl.where(ok, rank_key(total, j, J, 1, 2), EMPTY)
+            if TOP_N == 1:
+                best = top_n_by_rank(cand, best, N_SEL, N_PAD)
+            else:
+                best = take_top_n(cand, best, N_SEL, N_PAD)
     tl.store(LISTS + (row * n_lists + tl.program_id(1)) * N_PAD + tl.arange(0, N_PAD), best)
     tl.store(SINK + (row * n_lists + tl.program_id(1)) * SCORE_BLOCK + tl.arange(0, SCORE_BLOCK), sink)
 
@@ -111,12 +112,12 @@ def _select_variant_kernel(
 VARIANTS = {  # name: (kernel switches, warps)
     "full (1 warp)": (None, 1),
     "full (4 warps)": (None, 4),
-    "band_1": ({"EQ9_BAND": 1}, 1),
-    "no_head_sum": ({"HEAD_SUM": False}, 1),
-    "no_top_n": ({"TOP_N": False}, 1),
+    "tile": ({"TILE": True}, 1),
+    "rounds": ({"TOP_N": 2}, 1),
+    "no_top_n": ({"TOP_N": 0}, 1),
     "top_n_only": ({"SCORES": False}, 1),
-    "per_head": ({"PER_HEAD": True}, 1),
 }
+COMPARED = ("tile", "rounds")  # variants whose lists should equal full's
 
 
 def inputs(batch: int, context: int, splits: int, device: torch.device) -> dict:
@@ -148,12 +149,12 @@ def launcher(x: dict, lists: int, splits: int, variant: str):
                 EQ9_FIRST=EQ9_FIRST, EQ9_BAND=EQ9_BAND, SCORE_BLOCK=score_block,
                 CMP_SPLITS=triton.next_power_of_2(splits), num_warps=warps, num_stages=1)
     else:
-        kw = {"EQ9_BAND": EQ9_BAND, "HEAD_SUM": True, "TOP_N": True, "SCORES": True, "PER_HEAD": False, **switches}
+        kw = {"TILE": False, "TOP_N": 1, "SCORES": True, **switches}
 
         def run():
             _select_variant_kernel[(x["rows"], lists)](
                 *common, sink, x["n_slots"], splits, blocks_per_list, lists,
-                HKV=HKV, GROUP=GROUP, BLOCK_H=16, N_SEL=N_SEL, N_PAD=16, EQ9_FIRST=EQ9_FIRST,
+                HKV=HKV, GROUP=GROUP, N_SEL=N_SEL, N_PAD=16, EQ9_FIRST=EQ9_FIRST, EQ9_BAND=EQ9_BAND,
                 SCORE_BLOCK=score_block, CMP_SPLITS=triton.next_power_of_2(splits), num_warps=warps, num_stages=1,
                 **kw)
     return run, out
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             same = None
             if variant.startswith("full"):
                 reference = out.clone() if reference is None else reference
-            elif variant == "per_head":
+            elif variant in COMPARED:
                 same = bool(torch.equal(out, reference))
             results.append({"batch": batch, "context": context, "lists": lists, "cmp_splits": splits,
                             "variant": variant, "median_us": round(us, 2), "lists_equal_full": same})

@@ -7,10 +7,12 @@
    q.k / sqrt(d_k) * log2(e) the softmax used (selection score "probs") or the scaled logits ("logits").
 2. select kernel: one program (one warp: its reductions stay within the warp) per (row, KV group) and share of the
    selection blocks. Every program merges the compressed splits' max and sum into each head's log-sum-exp (the gate
-   kernel merges their outputs into o_cmp). Then, for its blocks j <= J = p // l', in chunks: Eq. 8 p_cmp = 2^(x - lse2) over the visible compressed tokens (or the
-   logits), Eq. 9 the banded overlap weights of masks.eq9_pool_weights added in scoring.pool_eq9's term order,
-   Eq. 10 the sum (or mean) over the group's heads added head by head, and Eq. 11's ranking (optimized/kernels/
-   top_n.py) into the program's list of its n best blocks. The sparse kernel merges the lists.
+   kernel merges their outputs into o_cmp). Then, for its blocks j <= J = p // l', in chunks, head by head from
+   the head's row of the Eq. 8 inputs (1-D loads: no [heads, blocks] tile to reduce per head): Eq. 8 p_cmp =
+   2^(x - lse2) over the visible compressed tokens (or the logits), Eq. 9 the banded overlap weights of
+   masks.eq9_pool_weights added in scoring.pool_eq9's term order, Eq. 10 the sum (or mean) over the group's heads
+   added in head order, and Eq. 11's ranking (optimized/kernels/top_n.py, top_n_by_rank) into the program's list of
+   its n best blocks. The sparse kernel merges the lists.
 """
 
 from __future__ import annotations
@@ -83,24 +85,22 @@ def _compressed_split_kernel(
 
 
 @triton.jit
-def _eq9_term(logits, j, ok, lse2, n_visible, n_slots, OFFSET: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-              CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-              LOGIT_SCORES: tl.constexpr):
-    """One term of Eq. 9 for every head of the group and selection blocks j: [BLOCK_H, SCORE_BLOCK] =
-    weight(OFFSET) * p_cmp[(l'/d) j + OFFSET], p_cmp = 0 outside the visible compressed tokens 0..n_visible-1
-    (Eq. 8: the compressed branch's own softmax 2^(x - lse2), or the scaled logits). The weight is
+def _eq9_term(logits, j, ok, lse2, n_visible, OFFSET: tl.constexpr, CMP_BLOCK: tl.constexpr,
+              CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr, LOGIT_SCORES: tl.constexpr):
+    """One term of Eq. 9 for one head and selection blocks j: [SCORE_BLOCK] = weight(OFFSET) * p_cmp[(l'/d) j +
+    OFFSET], p_cmp = 0 outside the visible compressed tokens 0..n_visible-1 (Eq. 8: the compressed branch's own
+    softmax 2^(x - lse2) with the head's base-2 log-sum-exp lse2, or the scaled logits). The weight is
     masks.eq9_pool_weights's overlap band: the tokens compressed block (l'/d) j + OFFSET shares with selection
-    block j, divided by d. logits: the row's [GROUP, n_slots] block of the Eq. 8 inputs."""
+    block j, divided by d. logits: the head's row of the Eq. 8 inputs."""
     first_token = OFFSET * CMP_STRIDE  # relative to the selection block's first token
     overlap = (tl.minimum(first_token + CMP_BLOCK, SEL_BLOCK) - tl.maximum(first_token, 0)) // CMP_STRIDE
     i = j * (SEL_BLOCK // CMP_STRIDE) + OFFSET
-    offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h < GROUP)[:, None] & (ok & (i >= 0) & (i < n_visible))[None, :]
-    x = tl.load(logits + offs_h[:, None] * n_slots + i[None, :], mask=mask, other=0.0)
+    mask = ok & (i >= 0) & (i < n_visible)
+    x = tl.load(logits + i, mask=mask, other=0.0)
     if LOGIT_SCORES:
         p_cmp = tl.where(mask, x, 0.0)
     else:
-        p_cmp = tl.exp2(tl.where(mask, x - lse2[:, None], float("-inf")))
+        p_cmp = tl.exp2(tl.where(mask, x - lse2, float("-inf")))
     return overlap.to(tl.float32) * p_cmp
 
 
@@ -131,14 +131,15 @@ def _select_kernel(
     for start in range(first, stop, SCORE_BLOCK):
         j = start + tl.arange(0, SCORE_BLOCK)
         ok = j < stop
-        pooled = _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST, GROUP, BLOCK_H, CMP_BLOCK,
-                           CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
-        for k in tl.static_range(1, EQ9_BAND):  # Eq. 9 per head: band terms in scoring.pool_eq9's order
-            pooled = pooled + _eq9_term(logits, j, ok, lse2, n_visible, n_slots, EQ9_FIRST + k, GROUP, BLOCK_H,
-                                        CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
         total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
-        for h in range(GROUP):  # Eq. 10: head by head, in head order (a row of zeros and one head: exact)
-            total = total + tl.sum(tl.where(offs_h[:, None] == h, pooled, 0.0), 0)
+        for h in tl.static_range(GROUP):  # Eq. 10: head by head, in head order
+            lse2_h = tl.sum(tl.where(offs_h == h, lse2, 0.0), 0)  # one head and zeros: exact
+            pooled = _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST, CMP_BLOCK, CMP_STRIDE,
+                               SEL_BLOCK, LOGIT_SCORES)
+            for k in tl.static_range(1, EQ9_BAND):  # Eq. 9: band terms in scoring.pool_eq9's order
+                pooled = pooled + _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST + k, CMP_BLOCK,
+                                            CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
+            total = total + pooled
         if MEAN:
             total = total / GROUP
         best = score_into_list(best, total, j, ok, J, N_INIT, N_LOCAL, N_SEL, N_PAD)  # Eq. 11

@@ -6,7 +6,8 @@ padded with -1.
 Each candidate block becomes one int64 rank key, as in masks.ranked_blocks: the float32 bits of its score in an
 order-preserving integer form (forced blocks: +inf) in the high 32 bits, the reversed block index in the low 32
 bits. Every key is distinct, and the largest key is the highest score with the lowest index among equals, so one
-max reduction per round picks the next block. A program keeps the n best keys of the blocks it scored (a "list",
+max reduction per round picks the next block (take_top_n; top_n_by_rank gets the same result from every key's rank
+at once, for the small chunks a select program scores). A program keeps the n best keys of the blocks it scored (a "list",
 best first, EMPTY padded); the n best of the union of several lists are the n best overall, so a row's blocks may
 be scored by several programs and their lists merged later (decode_step's select and sparse kernels).
 
@@ -52,11 +53,37 @@ def take_top_n(cand, best, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
 
 
 @triton.jit
+def _larger_count(keys, others):
+    """For each of keys [A]: how many of others [B] are larger (int32 [A]); one comparison matrix, one reduction."""
+    return tl.sum((others[None, :] > keys[:, None]).to(tl.int32), 1)
+
+
+@triton.jit
+def _placed(keys, rank, slot):
+    """[N_PAD]: the key whose rank is each slot (EMPTY where none is)."""
+    return tl.max(tl.where(rank[None, :] == slot[:, None], keys[None, :], EMPTY), 1)
+
+
+@triton.jit
+def top_n_by_rank(cand, best, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+    """take_top_n's result, from every key's rank (the number of larger keys among cand and best) counted at once
+    instead of N_SEL rounds of arg-max: the key of rank r goes to slot r < N_SEL. Keys are distinct but for EMPTY,
+    whose entries all share the rank of the number of real keys, so a slot they land in stays EMPTY. For a chunk of
+    C candidates this is [C, C + N_PAD] comparisons: meant for the select kernel's 64-block chunks, not the merge of
+    whole lists."""
+    rank_cand = _larger_count(cand, cand) + _larger_count(cand, best)
+    rank_best = _larger_count(best, cand) + _larger_count(best, best)
+    slot = tl.arange(0, N_PAD)
+    out = tl.maximum(_placed(cand, rank_cand, slot), _placed(best, rank_best, slot))
+    return tl.where(slot < N_SEL, out, EMPTY)
+
+
+@triton.jit
 def score_into_list(best, score, block, ok, J, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
                     N_PAD: tl.constexpr):
     """A program's list updated with a chunk of scored blocks (ok: the lanes that are blocks <= J)."""
     cand = tl.where(ok, rank_key(score, block, J, N_INIT, N_LOCAL), EMPTY)
-    return take_top_n(cand, best, N_SEL, N_PAD)
+    return top_n_by_rank(cand, best, N_SEL, N_PAD)
 
 
 @triton.jit
