@@ -452,3 +452,18 @@ def test_compiled_stages_give_the_same_decode():
         outs.append(cache.step(x.q[:, 37:38], tokens(x.kv, 37, 38), x.gates[:, 37:38]))
         results.append(concat(outs))
     assert_same(results[1], results[0])
+
+
+def test_step_splits_give_the_one_warp_select_launch_four_times_the_programs(monkeypatch):
+    """The split policy behind the measured H100 steps (132 SMs: 264 programs per launch; reports/decode/logs): at
+    64k the four-warp launches get 264 // rows programs per row (batch 16: 4; batch 1: the sqrt cap on the compressed
+    splits), the one-warp select launch four times that, capped at 16 lists per row and one list per 64 blocks."""
+    from optimized.kernels import decode_step
+
+    monkeypatch.setattr(decode_step, "program_budget", lambda device: 264)
+    common = dict(n_cmp_slots=4095, n_sel=16, sel_block=64, window_slots=512, window_tiles=8, key_bytes=512,
+                  partial_bytes=(16 * 128 + 2 * 16 + 1) * 4, device=torch.device("cpu"))
+    assert tuple(decode_step.step_splits(rows=64, n_sel_blocks=1024, **common)) == (4, 16, 3, 1)
+    assert tuple(decode_step.step_splits(rows=4, n_sel_blocks=1024, **common)) == (16, 16, 7, 3)
+    assert decode_step.step_splits(rows=64, n_sel_blocks=128, **common).lists == 2
+    assert decode_step.step_splits(rows=256, n_sel_blocks=1024, **common).lists == 4  # 4 x 264 // 256
