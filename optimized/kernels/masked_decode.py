@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .decode_splits import Partials, combine, split_count
+from .decode_tiles import qk_tile, softmax_update
 from .tiling import interpreting, padded
 
 LOG2E = 1.4426950408889634
@@ -81,24 +82,12 @@ def _masked_decode_kernel(
                      mask=load_keys[None, :] & dk_mask[:, None], other=0.0)
         v = tl.load(v_base + key[:, None] * stride_vt + offs_dv[None, :],
                     mask=admitted[:, None] & dv_mask[None, :], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, kT.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kT)
+        s = qk_tile(q, kT, DOT_FP32)
         if WANT_LOGITS:
             tl.store(logit_base + offs_h[:, None] * stride_lg + key[None, :], s * scale,
                      mask=head_mask[:, None] & in_range[None, :])
-        s = tl.where(admitted[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        probs = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc += tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:  # probabilities stay fp32 (tf32 keeps 10 mantissa bits, bf16 7); bf16/fp16 values are exact in tf32
-            acc += tl.dot(probs, v.to(tl.float32), input_precision="tf32")
-        m_i = m_new
+        m_i, l_i, acc = softmax_update(tl.where(admitted[None, :], s * scale_log2, float("-inf")), v, m_i, l_i,
+                                       acc, DOT_FP32)
 
     reads = tl.sum(count, 0)
     if FINAL:

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .decode_splits import Partials, combine, split_count
+from .decode_tiles import qk_tile, softmax_update
 from .tiling import interpreting, key_tile_rows, padded
 
 LOG2E = 1.4426950408889634
@@ -87,21 +88,9 @@ def _selected_decode_kernel(
                      mask=key_mask[None, :] & dk_mask[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vt + offs_dv[None, :],
                     mask=key_mask[:, None] & dv_mask[None, :], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, kT.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kT)
-        s = tl.where(key_mask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        probs = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc += tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:  # probabilities stay fp32 (tf32 keeps 10 mantissa bits, bf16 7); bf16/fp16 values are exact in tf32
-            acc += tl.dot(probs, v.to(tl.float32), input_precision="tf32")
-        m_i = m_new
+        s = qk_tile(q, kT, DOT_FP32)
+        m_i, l_i, acc = softmax_update(tl.where(key_mask[None, :], s * scale_log2, float("-inf")), v, m_i, l_i,
+                                       acc, DOT_FP32)
 
     reads = tl.sum(count, 0)
     if FINAL:
