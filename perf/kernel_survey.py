@@ -1,0 +1,128 @@
+"""Registers and stack (spills) of the lean decode kernels compiled for an H100 (sm_90) without a GPU.
+
+Triton compiles a kernel for GPUTarget("cuda", 90, 32) with the ptxas it ships, and the cuobjdump it ships reads
+the cubin's resource usage. Pointers and the integer arguments a real launch specialises get divisibility-16 hints,
+as at a launch. Must run without TRITON_INTERPRET (the interpreter replaces triton.jit functions).
+
+Why: the lean step's gate kernel at batch 1 measured 40-56 us on an H100 (reports/decode/logs, commit 09f9728)
+where it unrolled 24-32 [16 x 128] fp32 tiles; its sm_90 compile used 5-8 KB of stack per thread. The cases below
+are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
+l = 32, d = 16, l' = 64, n = 16) that matter for speed; `--require-no-spill` fails if any of them spills.
+
+    python -m perf.kernel_survey [--require-no-spill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kernel: object  # a triton.jit function
+    pointers: dict  # argument -> Triton pointer type ("*bf16", ...)
+    constexprs: dict
+    num_warps: int
+    num_stages: int = 1
+
+
+def compile_sm90(case: Case):
+    """triton.compile of case for sm_90: pointer arguments typed as given, other runtime arguments i32 (fp32 when
+    named scale*), divisibility-16 hints on pointers and strides."""
+    params = list(inspect.signature(case.kernel.fn).parameters)
+    signature, attrs = {}, {}
+    for i, name in enumerate(params):
+        if name in case.constexprs:
+            signature[name] = "constexpr"
+        elif name in case.pointers:
+            signature[name] = case.pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name.startswith("scale") else "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    missing = set(case.constexprs) - set(params)
+    if missing:
+        raise ValueError(f"{case.name}: {sorted(missing)} are not parameters of {case.kernel.fn.__name__}")
+    source = ASTSource(fn=case.kernel, signature=signature,
+                       constexprs={(params.index(k),): v for k, v in case.constexprs.items()}, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": case.num_warps, "num_stages": case.num_stages})
+
+
+def resources(compiled) -> dict[str, int]:
+    """REG and STACK (bytes per thread) of a compiled kernel's cubin, read by Triton's bundled cuobjdump."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        text = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", text))
+    if set(found) != {"REG", "STACK"}:
+        raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK:\n{text}")
+    return {"registers": int(found["REG"]), "stack_bytes": int(found["STACK"])}
+
+
+def lean_cases() -> list[Case]:
+    from optimized.kernels import decode_step
+    from optimized.kernels.decode_step_cmp import _select_kernel
+    from optimized.kernels.decode_step_sparse import _gate_kernel
+
+    gate_pointers = {name: "*fp32" for name in ("O_PART", "M_PART", "L_PART", "O_CPART", "M_CPART", "L_CPART")}
+    gate_pointers.update({name: "*i32" for name in ("R_PART", "R_CPART")})
+    gate_pointers.update({name: "*bf16" for name in ("GATES", "O", "O_CMP", "O_SLC", "O_WIN")})
+    gate_pointers.update({name: "*i64" for name in ("N_NEW", "READS_CMP", "READS_SLC", "READS_WIN")})
+    select_pointers = {"LENGTHS": "*i64", "N_NEW": "*i64", "LOGITS": "*fp32", "M_PART": "*fp32", "L_PART": "*fp32",
+                       "R_PART": "*i32", "LISTS": "*i64"}
+    cases = []
+    for cmp_splits, splits in ((4, 4), (16, 8), (32, 8)):  # 64k x 16; 64k x 1; 128k x 1 (next powers of two)
+        cases.append(Case(f"gate, {cmp_splits} compressed / {splits} sparse splits", _gate_kernel, gate_pointers,
+                          dict(HKV=4, GROUP=16, DV=128, BLOCK_H=16, BLOCK_DV=128, TILE_DV=decode_step.GATE_TILE_DV,
+                               CMP_SPLITS=cmp_splits, SPLITS=splits, MERGE_CHUNK=decode_step.MERGE_CHUNK),
+                          decode_step.STEP_WARPS))
+    for cmp_splits in (4, 16, 32):
+        cases.append(Case(f"select, {cmp_splits} compressed splits", _select_kernel, select_pointers,
+                          dict(HKV=4, GROUP=16, BLOCK_H=16, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_INIT=1,
+                               N_LOCAL=2, N_SEL=16, N_PAD=16, STRICT=False, LOGIT_SCORES=False, MEAN=False,
+                               EQ9_FIRST=-1, EQ9_BAND=5, SCORE_BLOCK=decode_step.SCORE_BLOCK, CMP_SPLITS=cmp_splits),
+                          decode_step.SELECT_WARPS))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--require-no-spill", action="store_true", help="exit 1 if any case uses stack")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("perf.kernel_survey: unset TRITON_INTERPRET (the interpreter replaces triton.jit functions)",
+              file=sys.stderr)
+        return 2
+    spilled = []
+    for case in lean_cases():
+        usage = resources(compile_sm90(case))
+        print(f"{case.name:45s} {case.num_warps} warps  {usage['registers']:3d} registers  "
+              f"{usage['stack_bytes']:5d} B stack", flush=True)
+        if usage["stack_bytes"]:
+            spilled.append(case.name)
+    if spilled and args.require_no_spill:
+        print(f"spills: {spilled}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
