@@ -132,12 +132,7 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
 
     if device.type == "cuda":
         graph = DecodeGraph(cache, context + steps)
-        graph.q.copy_(q)
-        graph.gates.copy_(gates)
-        for static, src in zip((graph.kv.cmp, graph.kv.slc, graph.kv.win), (new.cmp, new.slc, new.win)):
-            static.k.copy_(src.k)
-            static.v.copy_(src.v)
-        graph.n_new.fill_(1)
+        graph.load_inputs(q, new, gates, 1)
         ones = torch.ones(batch, dtype=torch.int64)
 
         def nsa_step(emit: bool):

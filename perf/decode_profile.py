@@ -77,12 +77,7 @@ def kernel_times(cache: NSADecodeCache, inputs: tuple, steps: int, flush: torch.
     """Mean device time per replay of each kernel of the no-emission DecodeGraph (microseconds)."""
     q, new, gates = inputs
     graph = DecodeGraph(cache, int(cache.lengths.max()) + 2 * steps + 8)
-    graph.q.copy_(q)
-    graph.gates.copy_(gates)
-    for static, src in zip((graph.kv.cmp, graph.kv.slc, graph.kv.win), (new.cmp, new.slc, new.win)):
-        static.k.copy_(src.k)
-        static.v.copy_(src.v)
-    graph.n_new.fill_(1)
+    graph.load_inputs(q, new, gates, 1)
     torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
     from torch.profiler import ProfilerActivity, profile
