@@ -18,8 +18,9 @@
 #   bash scripts/gpu_session.sh select [seconds]   GPU parity of the fused top-n and Eq. 5 kernels, then a sweep of the
 #                                                  whole layer (SDPA vs range_backend=triton), 8k-128k, fwd and fwd+bwd
 #   bash scripts/gpu_session.sh decode [seconds]   the decode GPU tests (tests/test_decode_gpu.py: lean step at the
-#                                                  paper layout, graphs, Table 4 reads at 64k), the per-kernel decode
-#                                                  profile with split variants, then the decode-step benchmark
+#                                                  paper layout, graphs, Table 4 reads at 64k), the select and
+#                                                  compressed-split kernel probes, the per-kernel decode profile with
+#                                                  split variants, then the decode-step benchmark
 #                                                  (8k-128k x batch 1, 16) with the time left
 #
 # COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
@@ -148,6 +149,9 @@ case "$MODE" in
     # step goes per kernel, and the step under other split counts (the policy's neighbours)
     OUT=$STAGE timeout -k 15 240 python3 -m perf.decode_select_probe > "$STAGE/decode_select_probe.log" 2>&1
     echo "exit $?" >> "$STAGE/decode_select_probe.log"
+    OUT=$STAGE timeout -k 15 240 python3 -m perf.decode_cmp_probe > "$STAGE/decode_cmp_probe.log" 2>&1
+    echo "exit $?" >> "$STAGE/decode_cmp_probe.log"
+    pack
     OUT=$STAGE timeout -k 15 $(( $(left) / 3 )) python3 -m perf.decode_profile --cases 8192x1,65536x1,65536x16,131072x16 \
       --variants "lists=4,lists=8,cmp=8,cmp=8;lists=8,slc=4;win=2" > "$STAGE/decode_profile.log" 2>&1
     echo "exit $?" >> "$STAGE/decode_profile.log"
