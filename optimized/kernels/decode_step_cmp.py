@@ -20,7 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import merge_stats, qk_tile, softmax_update, step_position, store_partial, visible_cmp_count
+from .decode_tiles import (group_queries, merge_stats, qk_tile, softmax_update, step_position, store_partial,
+                           visible_cmp_count)
 from .top_n import EMPTY, score_into_list
 
 
@@ -50,10 +51,7 @@ def _compressed_split_kernel(
     head_mask = offs_h < GROUP
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
-    q = tl.load(Q + b * stride_qb + (g * GROUP + offs_h[:, None]) * stride_qh + offs_dk[None, :],
-                mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = group_queries(Q + b * stride_qb, g, stride_qh, GROUP, DK, BLOCK_H, BLOCK_DK, DOT_FP32)
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
     logit_base = LOGITS + row * GROUP * n_slots

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import merge_partials, qk_tile, softmax_update, step_position, store_partial
+from .decode_tiles import group_queries, merge_partials, qk_tile, softmax_update, step_position, store_partial
 from .top_n import merged_blocks
 
 
@@ -39,17 +39,13 @@ def _sparse_split_kernel(
     b = row // HKV
     p, held = step_position(LENGTHS, N_NEW, b)
 
-    offs_h = tl.arange(0, BLOCK_H)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     offs_sel = tl.arange(0, N_PAD)
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
-    q = tl.load(Q + b * stride_qb + (g * GROUP + offs_h[:, None]) * stride_qh + offs_dk[None, :],
-                mask=(offs_h < GROUP)[:, None] & dk_mask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = group_queries(Q + b * stride_qb, g, stride_qh, GROUP, DK, BLOCK_H, BLOCK_DK, DOT_FP32)
 
     # One loop over key tiles serves both key sets (the softmaxes stay separate: a program is one or the other).
     selected = split < n_slc_split

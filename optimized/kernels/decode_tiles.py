@@ -14,6 +14,20 @@ import triton.language as tl
 
 
 @triton.jit
+def group_queries(q_row, g, stride_qh, GROUP: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_DK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The queries of KV group g's heads as one [BLOCK_H, BLOCK_DK] tile (zeros past GROUP heads and DK dims;
+    fp32 when DOT_FP32). q_row: the query row's first element (head 0, dim 0)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    q = tl.load(q_row + (g * GROUP + offs_h[:, None]) * stride_qh + offs_dk[None, :],
+                mask=(offs_h < GROUP)[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
 def qk_tile(q, kT, DOT_FP32: tl.constexpr):
     """q [BLOCK_H, BLOCK_DK] times kT [BLOCK_DK, BLOCK_N]: the raw dot products q.k (fp32)."""
     if DOT_FP32:

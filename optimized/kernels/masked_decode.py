@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .decode_splits import Partials, combine, split_count
-from .decode_tiles import qk_tile, softmax_update
+from .decode_tiles import group_queries, qk_tile, softmax_update
 from .tiling import interpreting, padded
 
 LOG2E = 1.4426950408889634
@@ -57,10 +57,7 @@ def _masked_decode_kernel(
     dv_mask = offs_dv < DV
     heads = g * GROUP + offs_h
 
-    q = tl.load(Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
-                mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = group_queries(Q + b * stride_qb + t * stride_qt, g, stride_qh, GROUP, DK, BLOCK_H, BLOCK_DK, DOT_FP32)
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
     mask_base = MASK + b * stride_mb + t * stride_mt
