@@ -27,30 +27,26 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized.kernels.decode_step_cmp import _eq9_term, _select_kernel
+from optimized.kernels.decode_step_cmp import _chunk_scores, _eq9_term, _select_kernel
 from optimized.kernels.decode_tiles import merge_stats, step_position, visible_cmp_count
 from optimized.kernels.top_n import EMPTY, rank_key, take_top_n, top_n_by_rank
 
-GROUP, HKV, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_SEL = 16, 4, 32, 16, 64, 16
+GROUP, HKV, N_SEL = 16, 4, 16
+CMP_BLOCK, CMP_STRIDE, SEL_BLOCK = tl.constexpr(32), tl.constexpr(16), tl.constexpr(64)  # l, d, l' (read by kernels)
+N_INIT, N_LOCAL = tl.constexpr(1), tl.constexpr(2)
 EQ9_FIRST, EQ9_BAND = -1, 5  # masks.eq9_pool_weights for l = 32, d = 16, l' = 64: offsets -1..3
 
 
 @triton.jit
 def _tile_scores(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP: tl.constexpr, SCORE_BLOCK: tl.constexpr,
                  EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr):
-    """Eq. 8-10 from [heads, blocks] tiles: per band term one 2-D load, then one masked reduction per head."""
-    pooled = tl.zeros([GROUP, SCORE_BLOCK], dtype=tl.float32)
-    for k in tl.static_range(EQ9_BAND):
-        first_token = (EQ9_FIRST + k) * 16
-        overlap = (tl.minimum(first_token + 32, 64) - tl.maximum(first_token, 0)) // 16
-        i = j * 4 + (EQ9_FIRST + k)
-        mask = (offs_h < GROUP)[:, None] & (ok & (i >= 0) & (i < n_visible))[None, :]
-        x = tl.load(logits + offs_h[:, None] * n_slots + i[None, :], mask=mask, other=0.0)
-        term = overlap.to(tl.float32) * tl.exp2(tl.where(mask, x - lse2[:, None], float("-inf")))
-        if k == 0:
-            pooled = term
-        else:
-            pooled = pooled + term
+    """Eq. 8-10 from [heads, blocks] tiles: the kernel's Eq. 9 terms over every head's row at once (2-D loads),
+    then one masked reduction over the head axis per head."""
+    rows = logits + offs_h[:, None] * n_slots  # [GROUP, 1]: each head's row of the logits
+    pooled = _eq9_term(rows, j, ok, lse2[:, None], n_visible, EQ9_FIRST, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, False)
+    for k in tl.static_range(1, EQ9_BAND):
+        pooled = pooled + _eq9_term(rows, j, ok, lse2[:, None], n_visible, EQ9_FIRST + k, CMP_BLOCK, CMP_STRIDE,
+                                    SEL_BLOCK, False)
     total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
     for h in range(GROUP):
         total = total + tl.sum(tl.where(offs_h[:, None] == h, pooled, 0.0), 0)
@@ -73,9 +69,9 @@ def _select_variant_kernel(
     offs_h = tl.arange(0, GROUP)
     m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, GROUP, CMP_SPLITS)
     lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
-    n_visible = tl.minimum(visible_cmp_count(p, held, 32, 16, False), n_slots)
+    n_visible = tl.minimum(visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, False), n_slots)
     logits = LOGITS + row * GROUP * n_slots
-    J = tl.where(p >= 0, p // 64, -1)
+    J = tl.where(p >= 0, p // SEL_BLOCK, -1)
     first = tl.program_id(1) * blocks_per_list
     stop = tl.minimum(first + blocks_per_list, J + 1).to(tl.int32)
     best = tl.full([N_PAD], EMPTY, dtype=tl.int64)
@@ -89,18 +85,12 @@ def _select_variant_kernel(
             total = _tile_scores(logits, j, ok, lse2, n_visible, n_slots, offs_h, GROUP, SCORE_BLOCK, EQ9_FIRST,
                                  EQ9_BAND)
         else:
-            total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
-            for h in tl.static_range(GROUP):
-                lse2_h = tl.sum(tl.where(offs_h == h, lse2, 0.0), 0)
-                pooled = _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST, 32, 16, 64, False)
-                for k in tl.static_range(1, EQ9_BAND):
-                    pooled = pooled + _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST + k, 32,
-                                                16, 64, False)
-                total = total + pooled
+            total = _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP, GROUP, SCORE_BLOCK, EQ9_FIRST,
+                                  EQ9_BAND, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, False)
         if TOP_N == 0:
             sink += tl.where(ok, total, 0.0)
         else:
-            cand = tl.where(ok, rank_key(total, j, J, 1, 2), EMPTY)
+            cand = tl.where(ok, rank_key(total, j, J, N_INIT, N_LOCAL), EMPTY)
             if TOP_N == 1:
                 best = top_n_by_rank(cand, best, N_SEL, N_PAD)
             else:
@@ -122,7 +112,7 @@ COMPARED = ("tile", "rounds")  # variants whose lists should equal full's
 
 def inputs(batch: int, context: int, splits: int, device: torch.device) -> dict:
     rows = batch * HKV
-    n_slots = (context - CMP_BLOCK) // CMP_STRIDE + 1
+    n_slots = int((context - CMP_BLOCK) // CMP_STRIDE + 1)
     g = torch.Generator(device=device).manual_seed(batch * 7 + context)
     logits = torch.randn((rows, GROUP, n_slots), generator=g, device=device) * 4.0
     m = torch.randn((rows, splits, GROUP), generator=g, device=device) + 6.0
@@ -130,7 +120,7 @@ def inputs(batch: int, context: int, splits: int, device: torch.device) -> dict:
     reads = torch.full((rows, splits), 1, dtype=torch.int32, device=device)
     lengths = torch.full((batch,), context, dtype=torch.int64, device=device)
     return {"rows": rows, "n_slots": n_slots, "logits": logits, "m": m, "l": l, "reads": reads, "lengths": lengths,
-            "n_new": torch.ones(batch, dtype=torch.int64, device=device), "n_blocks": context // SEL_BLOCK}
+            "n_new": torch.ones(batch, dtype=torch.int64, device=device), "n_blocks": int(context // SEL_BLOCK)}
 
 
 def launcher(x: dict, lists: int, splits: int, variant: str):
@@ -145,7 +135,7 @@ def launcher(x: dict, lists: int, splits: int, variant: str):
             _select_kernel[(x["rows"], lists)](
                 *common, x["n_slots"], splits, blocks_per_list, lists,
                 HKV=HKV, GROUP=GROUP, BLOCK_H=16, CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, SEL_BLOCK=SEL_BLOCK,
-                N_INIT=1, N_LOCAL=2, N_SEL=N_SEL, N_PAD=16, STRICT=False, LOGIT_SCORES=False, MEAN=False,
+                N_INIT=N_INIT, N_LOCAL=N_LOCAL, N_SEL=N_SEL, N_PAD=16, STRICT=False, LOGIT_SCORES=False, MEAN=False,
                 EQ9_FIRST=EQ9_FIRST, EQ9_BAND=EQ9_BAND, SCORE_BLOCK=score_block,
                 CMP_SPLITS=triton.next_power_of_2(splits), num_warps=warps, num_stages=1)
     else:

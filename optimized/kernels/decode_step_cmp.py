@@ -103,6 +103,26 @@ def _eq9_term(logits, j, ok, lse2, n_visible, OFFSET: tl.constexpr, CMP_BLOCK: t
 
 
 @triton.jit
+def _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                  SCORE_BLOCK: tl.constexpr, EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, CMP_BLOCK: tl.constexpr,
+                  CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr, LOGIT_SCORES: tl.constexpr):
+    """Eq. 8-10 for selection blocks j of one (row, KV group) [SCORE_BLOCK], summed over the group's heads in head
+    order, each head's Eq. 9 band from its own row of the logits ([GROUP, n_slots] from `logits`); lse2 [BLOCK_H]:
+    each head's base-2 log-sum-exp."""
+    offs_h = tl.arange(0, BLOCK_H)
+    total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
+    for h in tl.static_range(GROUP):  # Eq. 10: head by head, in head order
+        lse2_h = tl.sum(tl.where(offs_h == h, lse2, 0.0), 0)  # one head and zeros: exact
+        pooled = _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST, CMP_BLOCK, CMP_STRIDE,
+                           SEL_BLOCK, LOGIT_SCORES)
+        for k in tl.static_range(1, EQ9_BAND):  # Eq. 9: band terms in scoring.pool_eq9's order
+            pooled = pooled + _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST + k, CMP_BLOCK,
+                                        CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
+        total = total + pooled
+    return total
+
+
+@triton.jit
 def _select_kernel(
     LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, LISTS,
     n_slots, n_cmp_split, blocks_per_list, n_lists,
@@ -116,7 +136,6 @@ def _select_kernel(
     b = row // HKV
     p, held = step_position(LENGTHS, N_NEW, b)
 
-    offs_h = tl.arange(0, BLOCK_H)
     m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, BLOCK_H, CMP_SPLITS)
     lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))  # each head's base-2 log-sum-exp over its visible tokens
 
@@ -129,15 +148,8 @@ def _select_kernel(
     for start in range(first, stop, SCORE_BLOCK):
         j = start + tl.arange(0, SCORE_BLOCK)
         ok = j < stop
-        total = tl.zeros([SCORE_BLOCK], dtype=tl.float32)
-        for h in tl.static_range(GROUP):  # Eq. 10: head by head, in head order
-            lse2_h = tl.sum(tl.where(offs_h == h, lse2, 0.0), 0)  # one head and zeros: exact
-            pooled = _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST, CMP_BLOCK, CMP_STRIDE,
-                               SEL_BLOCK, LOGIT_SCORES)
-            for k in tl.static_range(1, EQ9_BAND):  # Eq. 9: band terms in scoring.pool_eq9's order
-                pooled = pooled + _eq9_term(logits + h * n_slots, j, ok, lse2_h, n_visible, EQ9_FIRST + k, CMP_BLOCK,
-                                            CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
-            total = total + pooled
+        total = _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP, BLOCK_H, SCORE_BLOCK, EQ9_FIRST,
+                              EQ9_BAND, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
         if MEAN:
             total = total / GROUP
         best = score_into_list(best, total, j, ok, J, N_INIT, N_LOCAL, N_SEL, N_PAD)  # Eq. 11
