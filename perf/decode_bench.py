@@ -242,6 +242,24 @@ def environment(device: torch.device, args) -> dict:
     return info
 
 
+def report_dir(out: str | None) -> Path:
+    """Where the decode bench, profile and probes write: `out` if given, else $OUT/decode on a lent GPU, else
+    reports/decode."""
+    if out:
+        return Path(out)
+    return Path(os.environ["OUT"]) / "decode" if os.environ.get("OUT") else Path("reports/decode")
+
+
+def write_probe_report(out_dir: Path, name: str, timing: str, results: list[dict]) -> None:
+    """A kernel probe's results as out_dir/<name>.json, with the GPU and versions they came from."""
+    import triton
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "timing": timing, "results": results}, indent=2))
+
+
 def write_reports(out_dir: Path, cases: list[Case], env: dict, cfg: NSAConfig) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [asdict(c) for c in cases]
@@ -351,8 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts else
                 [256, 512] if args.tiny else [8192, 16384, 32768, 65536, 131072])
     batches = [int(b) for b in args.batches.split(",")]
-    out_dir = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "decode" if os.environ.get("OUT")
-                                              else Path("reports/decode"))
+    out_dir = report_dir(args.out)
     if args.compile and device.type == "cuda":
         from torch import _dynamo
 

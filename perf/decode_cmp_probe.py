@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import os
-from pathlib import Path
 
 import torch
 import triton
@@ -27,6 +24,8 @@ from optimized.kernels.decode_splits import Partials
 from optimized.kernels.decode_step import BLOCK_N, STEP_WARPS
 from optimized.kernels.decode_step_cmp import _compressed_split_kernel
 from optimized.kernels.selected_attention_fwd import LOG2E
+
+from .decode_bench import report_dir, write_probe_report
 
 HQ, HKV, D, CMP_BLOCK, CMP_STRIDE = 64, 4, 128, 32, 16
 LEAN = (BLOCK_N, STEP_WARPS, 2)  # the lean step's key-tile rows, warps and stages
@@ -103,13 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                             "tb_per_s": round(moved / us / 1e6, 3), "logits_equal_lean": same})
             print(f"{batch:3d} x {context:6d}  {name:42s} {us:8.2f} us  {moved / us / 1e6:5.2f} TB/s"
                   f"{'  (lean launch)' if lean else ''}{'' if same else '  LOGITS DIFFER'}", flush=True)
-    out_dir = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "decode" if os.environ.get("OUT")
-                                              else Path("reports/decode"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "decode_cmp_probe.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 not flushed (134 MB > 50 MB L2)",
-        "results": results}, indent=2))
+    write_probe_report(report_dir(args.out), "decode_cmp_probe", "triton.testing.do_bench median (warmup 25 ms, "
+                       "rep 100 ms), L2 not flushed (134 MB > 50 MB L2)", results)
     return 0
 
 

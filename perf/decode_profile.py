@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
@@ -31,7 +29,7 @@ from optimized.decode.lean import step_rules
 from optimized.kernels.decode_step import StepSplits, default_step_splits, lean_decode_step
 from reference.contract import KV, BranchKV, PhiWeights
 
-from .decode_bench import FLUSH_BYTES, bench_config
+from .decode_bench import FLUSH_BYTES, bench_config, report_dir
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -139,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    out_dir = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "decode" if os.environ.get("OUT")
-                                              else Path("reports/decode"))
+    out_dir = report_dir(args.out)
     results = []
     for context, batch in parse_cases(args.cases):
         t0 = time.perf_counter()

@@ -19,9 +19,6 @@ The lists of tile and rounds are compared with full's (equal unless the compiler
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from pathlib import Path
 
 import torch
 import triton
@@ -30,6 +27,8 @@ import triton.language as tl
 from optimized.kernels.decode_step_cmp import _chunk_scores, _eq9_term, _select_kernel
 from optimized.kernels.decode_tiles import merge_stats, step_position, visible_cmp_count
 from optimized.kernels.top_n import EMPTY, rank_key, take_top_n, top_n_by_rank
+
+from .decode_bench import report_dir, write_probe_report
 
 GROUP, HKV, N_SEL = 16, 4, 16
 CMP_BLOCK, CMP_STRIDE, SEL_BLOCK = tl.constexpr(32), tl.constexpr(16), tl.constexpr(64)  # l, d, l' (read by kernels)
@@ -174,13 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                             "variant": variant, "median_us": round(us, 2), "lists_equal_full": same})
             print(f"{batch:3d} x {context:6d} lists {lists:2d} splits {splits:2d}  {variant:16s} {us:8.2f} us"
                   + ("" if same is None else f"  lists equal to full: {same}"), flush=True)
-    out_dir = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "decode" if os.environ.get("OUT")
-                                              else Path("reports/decode"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "decode_select_probe.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 200 ms), L2 not flushed",
-        "results": results}, indent=2))
+    write_probe_report(report_dir(args.out), "decode_select_probe",
+                       "triton.testing.do_bench median (warmup 25 ms, rep 200 ms), L2 not flushed", results)
     return 0
 
 
