@@ -8,8 +8,9 @@
      length (slot t mod W holds token t), admitted when window_start(p) = p - (window_size - 1) <= t <= p.
    Every program writes its partial (max, sum, output, keys admitted).
 4. gate kernel: one program per (row, KV group) and TILE_DV output columns merges the compressed splits into
-   o_cmp, the selected splits into o_slc and the window splits into o_win, and applies Eq. 5 with o_cmp: o = g_cmp o_cmp + g_slc o_slc + g_win o_win, each product and sum rounded
-   to the output dtype as torch's gated_sum does; a padding query gets o = 0.
+   o_cmp, the selected splits into o_slc and the window splits into o_win, and applies Eq. 5: o = g_cmp o_cmp +
+   g_slc o_slc + g_win o_win, each product and sum rounded to the output dtype as torch's gated_sum does; a padding
+   query gets o = 0.
 """
 
 from __future__ import annotations

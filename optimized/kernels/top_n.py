@@ -7,9 +7,9 @@ Each candidate block becomes one int64 rank key, as in masks.ranked_blocks: the 
 order-preserving integer form (forced blocks: +inf) in the high 32 bits, the reversed block index in the low 32
 bits. Every key is distinct, and the largest key is the highest score with the lowest index among equals, so one
 max reduction per round picks the next block (take_top_n; top_n_by_rank gets the same result from every key's rank
-at once, for the small chunks a select program scores). A program keeps the n best keys of the blocks it scored (a "list",
-best first, EMPTY padded); the n best of the union of several lists are the n best overall, so a row's blocks may
-be scored by several programs and their lists merged later (decode_step's select and sparse kernels).
+at once, for the small chunks a select program scores). A program keeps the n best keys of the blocks it scored
+(a "list", best first, EMPTY padded); the n best of the union of several lists are the n best overall, so a row's
+blocks may be scored by several programs and their lists merged later (decode_step's select and sparse kernels).
 
 top_n_blocks_triton runs these helpers on given scores (two launches: lists, then the merge), so the tie rule is
 tested on crafted scores against masks.top_n_blocks (tests/test_kernel_decode.py).
