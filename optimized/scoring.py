@@ -32,6 +32,7 @@ from . import masks
 from .documents import Documents, check_packed_compressed, documents, stage_documents
 from .masked_attention import CHUNK_ELEMENTS, compute_dtype, query_chunks
 from .ranges import CompressedSoftmax, check_range_backend, compressed_ranges
+from .seams import SeamSnapshot
 
 
 def sel_block_count(n_keys: int, cfg: NSAConfig) -> int:
@@ -186,13 +187,13 @@ def _kernel_scorer(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, 
 # another function in any of them (the conformance self-test plants bugs that way) selection_indices runs the
 # torch code. The kernel takes the Eq. 9 band (masks.eq9_pool_weights) and J (masks.current_sel_block) from the
 # seams at call time, so those two are honoured either way.
-_TOP_N_KERNEL_SEAMS = {name: getattr(masks, name) for name in ("forced_blocks", "top_n_blocks", "ranked_blocks")}
+_TOP_N_KERNEL_SEAMS = SeamSnapshot(masks, "forced_blocks", "top_n_blocks", "ranked_blocks")
 
 
 def top_n_seams_are_kernel_rules() -> bool:
     """True while masks.forced_blocks, top_n_blocks and ranked_blocks are the functions the top-n kernel
     implements."""
-    return all(getattr(masks, name) is rule for name, rule in _TOP_N_KERNEL_SEAMS.items())
+    return _TOP_N_KERNEL_SEAMS.unchanged()
 
 
 # Scoring chunks of the fused kernel path: the group-scores kernel writes a chunk's P [B, C, Hkv, width] fp32 and

@@ -9,14 +9,15 @@ import torch
 from torch import Tensor
 
 from .. import masks
+from ..seams import SeamSnapshot
 
 # The Eq. 12 clipping the selected-decode kernel implements (token <= p); with another seam in place the torch
 # path runs, so a replaced seam still changes decode.
-_KERNEL_SELECTED_RULE = masks.selected_token_visible
+_KERNEL_SELECTED_RULE = SeamSnapshot(masks, "selected_token_visible")
 
 
 def selected_rule_is_kernel_rule() -> bool:
-    return masks.selected_token_visible is _KERNEL_SELECTED_RULE
+    return _KERNEL_SELECTED_RULE.unchanged()
 
 
 # The dtypes the decode kernels compute in (they accumulate in fp32): float64 stays on the torch path.

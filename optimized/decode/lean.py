@@ -17,6 +17,7 @@ from reference.config import NSAConfig
 from reference.contract import BranchKV, NSAOutput, Reads
 
 from .. import masks, scoring
+from ..seams import SeamSnapshot
 from . import kernels
 
 # The seams whose original rules the lean kernels implement (ranked_blocks and fixed_order_sum are the helpers that
@@ -24,15 +25,12 @@ from . import kernels
 LEAN_SEAMS = ("compressed_block_visible", "window_start", "window_key_visible", "cmp_importance", "eq9_pool_weights",
               "group_reduce", "current_sel_block", "top_n_blocks", "forced_blocks", "selected_token_visible",
               "ranked_blocks", "fixed_order_sum")
-_KERNEL_RULES = {name: getattr(masks, name) for name in LEAN_SEAMS}
-_KERNEL_POOL = scoring.pool_eq9
+_KERNEL_RULES = (SeamSnapshot(masks, *LEAN_SEAMS), SeamSnapshot(scoring, "pool_eq9"))
 
 
 def seams_are_kernel_rules() -> bool:
-    """Every seam the lean kernels implement is still the original function (identity, as
-    kernels.selected_rule_is_kernel_rule)."""
-    return (all(getattr(masks, name) is rule for name, rule in _KERNEL_RULES.items())
-            and scoring.pool_eq9 is _KERNEL_POOL)
+    """Every seam the lean kernels implement is still the original function."""
+    return all(snapshot.unchanged() for snapshot in _KERNEL_RULES)
 
 
 def lean_step_applies(use_kernels: bool, dtype: torch.dtype, n_queries: int) -> bool:
