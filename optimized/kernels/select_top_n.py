@@ -36,6 +36,7 @@ from torch import Tensor
 from reference.config import NSAConfig
 
 from .. import masks
+from .top_n import float_order
 
 KEYS_PER_PROGRAM = 2048  # [ROWS, BLOCKS_PAD] keys a program holds (rows are added while a row has fewer blocks)
 MAX_ROWS = 32  # rows per program at most (small NB)
@@ -83,9 +84,7 @@ def _select_top_n_kernel(
     forced = ((blocks < n_init) | (blocks > J - n_local)) & exists
     value = tl.where(exists, score, float("-inf"))
     value = tl.where(forced, float("inf"), value)
-    bits = value.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 ties with +0.0 (ranked_blocks's + 0.0)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # the float order as an integer order
+    ordered = float_order(value)  # the float order as an integer order, -0.0 tying with +0.0
     key = (ordered.to(tl.int64) << 32) | (n_blocks - 1 - blocks).to(tl.int64)  # equal scores: lower block first
     lowest = -9223372036854775807 - 1
     key = tl.where(real, key, lowest)

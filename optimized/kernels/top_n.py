@@ -29,14 +29,20 @@ REVERSED = tl.constexpr(0x7FFFFFFF)  # low 32 bits of a rank key: REVERSED - blo
 
 
 @triton.jit
+def float_order(x):
+    """int32 of fp32 x whose integer order is the float order, -0.0 taken as +0.0 (masks.ranked_blocks's + 0.0):
+    the high word of an Eq. 11 rank key, here and in the prefill's select_top_n kernel."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> +0.0
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
 def rank_key(score, block, J, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
     """int64 rank keys of blocks `block` (int64, all <= J) with Eq. 8-10 scores `score` (fp32): forced blocks
     (masks.forced_blocks: block < n_init or block > J - n_local) rank first (+inf), -0.0 ranks as +0.0."""
     forced = (block < N_INIT) | (block > J - N_LOCAL)
-    key = tl.where(forced, float("inf"), tl.where(score == 0.0, 0.0, score))
-    bits = key.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # the float order as an integer order
-    return ordered.to(tl.int64) * 4294967296 + (REVERSED - block)
+    return float_order(tl.where(forced, float("inf"), score)).to(tl.int64) * 4294967296 + (REVERSED - block)
 
 
 @triton.jit
