@@ -11,9 +11,13 @@ the compressed axis) and Eq. 11 (top-n) then run on P (optimized/scoring.py).
 
 Grid (tile of R query rows, KV group, batch). A program holds the q of its R rows for every head of the group
 as one [R * GP, d_k] tile (GP = the group size padded to a power of two, rows ordered (query, head)), so one
-K tile load serves every head (the paper's group-centric loading), and sums the heads of each query with a
-[R, R * GP] 0/1 matrix product in exact fp32 (no TF32). Key tiles are aligned to multiples of BLOCK_N, so a row's
-arithmetic does not depend on the rows it shares a program with (chunk- and batch-invariant scores).
+K tile load serves every head (the paper's group-centric loading), and sums the heads of each query as a
+reduction over the head axis of the [R, GP, BLOCK_N] view of the tile (fp32 adds; the padded heads add 0). Key
+tiles are aligned to multiples of BLOCK_N, so a row's arithmetic does not depend on the rows it shares a program
+with (chunk- and batch-invariant scores).
+
+The head sum was a [16, R * GP] x [R * GP, BLOCK_N] 0/1 matrix product in exact fp32 (ieee, CUDA cores; R = 4
+real rows of the 16 a dot needs); at 64k it made this kernel 48.6 of the select stage's 61 ms (perf/NOTES.md).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch import Tensor
 
 from .range_attention_fwd import _key_tile_span
 from .selected_attention_fwd import LOG2E, dot_settings
-from .tiling import MIN_DOT, RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
+from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
 
 
 @triton.jit
@@ -36,7 +40,7 @@ def _group_scores_kernel(
     stride_lb, stride_lt,
     stride_pb, stride_pt, stride_pg,
     n_queries, n_keys, width, scale_log2, scale,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     LOGITS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -61,13 +65,11 @@ def _group_scores_kernel(
         q = q.to(tl.float32)
     lse2 = tl.load(LSE2 + b * stride_lb + t_m * stride_lt + h_m, mask=valid_m, other=0.0)
 
-    # query rows of the output tile, and the 0/1 matrix that sums each query's heads
-    offs_r = tl.arange(0, ROWS_PAD)
-    t_r = pid * ROWS + offs_r
-    valid_r = (offs_r < ROWS) & (t_r < n_queries)
+    # query rows of the output tile
+    t_r = pid * ROWS + tl.arange(0, ROWS)
+    valid_r = t_r < n_queries
     lo_r = tl.load(LO + t_r, mask=valid_r, other=0)
     hi_r = tl.load(HI + t_r, mask=valid_r, other=-1)
-    head_sum = tl.where(offs_m[None, :] // GROUP_PAD == offs_r[:, None], 1.0, 0.0)  # [ROWS_PAD, BLOCK_M]
 
     offs_n = tl.arange(0, BLOCK_N)
     k_base = K + b * stride_kb + g * stride_kh
@@ -87,7 +89,7 @@ def _group_scores_kernel(
         else:
             term = tl.exp2(s * scale_log2 - lse2[:, None])  # Eq. 8: the compressed branch's own softmax
         term = tl.where(in_range, term, 0.0)
-        total = tl.dot(head_sum, term, input_precision="ieee")  # Eq. 10: sum over the group's heads, exact fp32
+        total = tl.sum(tl.reshape(term, [ROWS, GROUP_PAD, BLOCK_N]), axis=1)  # Eq. 10: sum over the group's heads
         cols = keys[None, :] - lo_r[:, None]
         out_mask = valid_r[:, None] & (keys[None, :] >= lo_r[:, None]) & (keys[None, :] <= hi_r[:, None]) \
             & (cols < width)
@@ -128,7 +130,7 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor 
             lse2.stride(0), lse2.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
             TQ, N, width, scale * LOG2E, scale,
-            GROUP=group, GROUP_PAD=group_pad, ROWS=rows, ROWS_PAD=max(MIN_DOT, triton.next_power_of_2(rows)),
+            GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
             BLOCK_M=rows * group_pad, DK=dk, BLOCK_N=t.block_n, BLOCK_DK=padded(dk), LOGITS=logits, DOT_FP32=dot_fp32,
             INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
         )

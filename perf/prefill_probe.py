@@ -1,0 +1,170 @@
+"""The prefill range-kernel path's select stage and range-attention forward at one T, under other launch shapes
+(issue 8; a GPU diagnostic, like perf.decode_cmp_probe for the decode step).
+
+What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, median), paper layout (64 q heads in
+4 KV groups, d_k = d_v = 128, l = 32, d = 16, l' = 64, n = 16, w = 512), bf16, batch 1:
+- `scores`: optimized/kernels/group_scores (Eq. 8 + 10) over the last --score-rows query rows (the widest ranges)
+  per tiling, with its TFLOP/s on the useful q.k_cmp dots (every head, every visible compressed token);
+- `selection`: the whole `selection_indices(range_backend="triton")` as nsa_forward calls it (the compressed
+  branch's lse2 given), with the scoring chunks' P budget (scoring.KERNEL_CHUNK_P_BYTES) set to each value; every
+  budget must give the same indices bitwise (the chunking does not change a row's arithmetic);
+- `range`: range_attention_forward (o and lse2) over the compressed branch's ranges and over the window's, per
+  tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|.
+
+    python -m perf.prefill_probe [--seq-len 65536]      # on a GPU; prints a table, writes prefill_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from optimized import scoring
+from optimized.kernels.group_scores import group_scores
+from optimized.kernels.range_attention import check_range_inputs
+from optimized.kernels.range_attention_fwd import range_attention_forward
+from optimized.kernels.tiling import RangeTiling, padded, range_tiling
+from optimized.ranges import CompressedSoftmax, compressed_ranges, window_ranges
+from reference.config import NSAConfig
+
+from .decode_bench import write_probe_report
+
+CFG = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
+SCORE_TILINGS = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2))
+RANGE_TILINGS = ((64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3),
+                 (128, 128, 8, 2))
+BUDGETS_MIB = (24, 64, 128, 256)
+
+
+def _tiling(text: tuple[int, int, int, int]) -> RangeTiling:
+    return RangeTiling(block_m=text[0], block_n=text[1], num_warps=text[2], num_stages=text[3])
+
+
+def _bench(fn, rep_ms: int) -> float:
+    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    cfg = CFG
+    g = torch.Generator(device=device).manual_seed(T)
+    n_cmp = (T - cfg.cmp_block) // cfg.cmp_stride + 1
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device=device).to(dtype)
+
+    q = randn(1, T, cfg.n_heads, cfg.head_dim_qk)
+    k_cmp, v_cmp = randn(1, n_cmp, cfg.n_kv_heads, cfg.head_dim_qk), randn(1, n_cmp, cfg.n_kv_heads, cfg.head_dim_v)
+    k_win, v_win = randn(1, T, cfg.n_kv_heads, cfg.head_dim_qk), randn(1, T, cfg.n_kv_heads, cfg.head_dim_v)
+    positions = torch.arange(T, device=device)
+    cmp_lo, cmp_hi = check_range_inputs(q, k_cmp, v_cmp, *compressed_ranges(positions, n_cmp, cfg))
+    win_lo, win_hi = check_range_inputs(q, k_win, v_win, *window_ranges(positions, cfg))
+    return {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp, "k_win": k_win, "v_win": v_win,
+            "cmp": (cmp_lo, cmp_hi), "win": (win_lo, win_hi)}
+
+
+def _useful_flops(lo: torch.Tensor, hi: torch.Tensor, dims: int) -> float:
+    """2 x (visible keys of every row) x heads x dims (dims = d_k for q.k, d_k + d_v with the P.V product)."""
+    keys = torch.clamp(hi.long() - lo.long() + 1, min=0).sum().item()
+    return 2.0 * keys * CFG.n_heads * dims
+
+
+def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
+    q, k_cmp = x["q"], x["k_cmp"]
+    T = q.shape[1]
+    r0 = max(0, T - rows)
+    lo, hi = (t[r0:].contiguous() for t in x["cmp"])
+    _, lse2 = range_attention_forward(q, k_cmp, None, *x["cmp"], scale)
+    lse2 = lse2[:, r0:].contiguous()
+    qr = q[:, r0:]
+    width = int((hi - lo + 1).max())
+    flops = _useful_flops(lo, hi, CFG.head_dim_qk)
+    default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_qk), q.dtype, "scores")
+    reference = group_scores(qr, k_cmp, lo, hi, lse2, width, scale)
+    out = []
+    for shape in SCORE_TILINGS:
+        t = _tiling(shape)
+        p = group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t)
+        ms = _bench(lambda: group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t), rep_ms)
+        out.append({"probe": "scores", "tiling": list(shape), "default": t == default, "rows": T - r0,
+                    "ms": ms, "tflops": flops / ms / 1e9,
+                    "max_abs_diff_vs_default": float((p - reference).abs().max())})
+    return out
+
+
+def probe_selection(x: dict, scale: float, rep_ms: int) -> list[dict]:
+    q, k_cmp = x["q"], x["k_cmp"]
+    _, lse2 = range_attention_forward(q, k_cmp, None, *x["cmp"], scale)
+    soft = CompressedSoftmax(*x["cmp"], lse2)
+    saved = scoring.KERNEL_CHUNK_P_BYTES
+    out, first = [], None
+    try:
+        for mib in BUDGETS_MIB:
+            scoring.KERNEL_CHUNK_P_BYTES = mib * 2**20
+
+            def run():
+                return scoring.selection_indices(q, k_cmp, CFG, range_backend="triton", cmp_softmax=soft)
+
+            indices = run()
+            first = indices if first is None else first
+            widths = torch.clamp(x["cmp"][1] - x["cmp"][0] + 1, min=0).cpu()
+            chunks = len(scoring._kernel_chunks(widths, CFG.n_kv_heads * 4, None))
+            out.append({"probe": "selection", "budget_mib": mib, "default": mib * 2**20 == saved, "chunks": chunks,
+                        "ms": _bench(run, rep_ms), "same_indices": bool(torch.equal(indices, first))})
+    finally:
+        scoring.KERNEL_CHUNK_P_BYTES = saved
+    return out
+
+
+def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
+    q = x["q"]
+    out = []
+    for branch in ("cmp", "win"):
+        k, v = x[f"k_{branch}"], x[f"v_{branch}"]
+        lo, hi = x[branch]
+        flops = _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v)
+        default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_v), q.dtype, "forward")
+        reference = range_attention_forward(q, k, v, lo, hi, scale, tiling=default)[0]
+        for shape in RANGE_TILINGS:
+            t = _tiling(shape)
+            o = range_attention_forward(q, k, v, lo, hi, scale, tiling=t)[0]
+            ms = _bench(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t), rep_ms)
+            out.append({"probe": "range", "branch": branch, "tiling": list(shape), "default": t == default,
+                        "ms": ms, "tflops": flops / ms / 1e9,
+                        "max_abs_diff_vs_default": float((o.float() - reference.float()).abs().max())})
+            del o
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=65536)
+    parser.add_argument("--score-rows", type=int, default=8192, help="the last rows the scores probe reads")
+    parser.add_argument("--probes", default="scores,selection,range")
+    parser.add_argument("--rep-ms", type=int, default=300, help="do_bench's timing window per variant")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    x = _inputs(args.seq_len, device)
+    scale = 1.0 / math.sqrt(CFG.head_dim_qk)
+    probes = {"scores": lambda: probe_scores(x, args.score_rows, scale, args.rep_ms),
+              "selection": lambda: probe_selection(x, scale, args.rep_ms),
+              "range": lambda: probe_range(x, scale, args.rep_ms)}
+    results = []
+    for name in args.probes.split(","):
+        for row in probes[name]():
+            results.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    out_dir = Path(args.out) if args.out else Path(os.environ["OUT"]) / "perf" if os.environ.get("OUT") \
+        else Path("reports/perf")
+    write_probe_report(out_dir, "prefill_probe", f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} "
+                       f"ms; T = {args.seq_len}, scores over the last {args.score_rows} rows", results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
