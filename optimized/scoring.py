@@ -197,15 +197,16 @@ def top_n_seams_are_kernel_rules() -> bool:
 
 
 # Scoring chunks of the fused kernel path: the group-scores kernel writes a chunk's P [B, C, Hkv, width] fp32 and
-# the top-n kernel reads it straight back, so a chunk holds as many rows as keep P within this budget, which stays
-# in the H100's 50 MB L2 next to the chunk's k_cmp (4 MB at 64k, d_k = 128, bf16), q rows (~6 MB) and indices.
-# Measured (perf/NOTES.md, 2026-11-25): chunks 16x the per-head size (P ~200 MB at 64k) made the 64k forward 17%
-# slower than per-head chunks (P ~13 MB), as P and the ~30 torch temporaries per chunk then streamed through HBM.
-# Fewer chunks still pay: each costs two launches and ~50-100 us of host work (wrappers, Triton's launcher), about
-# a 16 MiB chunk's GPU time at 64k, so the budget takes the top of the L2-resident range (24 MiB, not 16) to keep
-# the host ahead. Sizing by the width each chunk actually has (a row reads ~p/d compressed tokens) rather than by N
-# gives early rows larger chunks: 88 chunks at 64k instead of 322, 344 at 128k instead of 1286, 3 at 8k instead of 5.
-KERNEL_CHUNK_P_BYTES = 24 * 2**20
+# the top-n kernel reads it straight back, so a chunk holds as many rows as keep P within this budget. Each chunk
+# costs two launches and ~0.28 ms of host work (the wrappers, Triton's launcher: the 64k times below differ by
+# 22 ms for 78 chunks), and since the group-scores kernel's head sum became a reduction (a4cdba2) the GPU
+# finishes a 24 MiB chunk before the host has queued the next one. Measured at 64k (perf.prefill_probe, H100, 2026-11-25): the whole selection_indices (lse2 given) takes
+# 41.9 / 22.5 / 20.3 / 19.8 ms with 24 / 64 / 128 / 256 MiB chunks (88 / 34 / 18 / 10 chunks), the same indices
+# bitwise; P beyond the 50 MB L2 costs its HBM round trip (2 x 2.1 GB at 64k over all chunks, ~1.4 ms at 3 TB/s),
+# much less than the host time it saves. The budget bounds the scratch, not the peak memory's growth in T. Sizing by
+# the width each chunk actually has (a row reads ~p/d compressed tokens) rather than by N gives early rows larger
+# chunks.
+KERNEL_CHUNK_P_BYTES = 256 * 2**20
 
 
 def _kernel_chunks(widths: Tensor, bytes_per_column: int, chunk_size: int | None) -> list[tuple[int, int]]:
