@@ -21,14 +21,14 @@ import torch
 import triton
 
 from optimized.kernels.decode_splits import Partials
-from optimized.kernels.decode_step import BLOCK_N, STEP_WARPS
+from optimized.kernels.decode_step import BLOCK_N, CMP_STAGES, STEP_WARPS
 from optimized.kernels.decode_step_cmp import _compressed_split_kernel
 from optimized.kernels.selected_attention_fwd import LOG2E
 
 from .decode_bench import report_dir, write_probe_report
 
 HQ, HKV, D, CMP_BLOCK, CMP_STRIDE = 64, 4, 128, 32, 16
-LEAN = (BLOCK_N, STEP_WARPS, 2)  # the lean step's key-tile rows, warps and stages
+LEAN = (BLOCK_N, STEP_WARPS, CMP_STAGES)  # the lean step's key-tile rows, warps and stages
 
 
 def inputs(batch: int, context: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:

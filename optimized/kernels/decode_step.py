@@ -28,6 +28,9 @@ from .tiling import MIN_DOT, interpreting, key_tile_rows, padded
 from .top_n import list_width
 
 BLOCK_N = 64  # key-tile rows of the compressed split (16 in the interpreter, so tiny tests span several tiles)
+# pipeline stages of the compressed split: 3 measured 11.2 us against 14.8 for 2 at 64k x 1 and the same 66.9 us at
+# 64k x 16 (perf.decode_cmp_probe, H100, 2026-11-25; no launch shape there beat ~66 us at 64k x 16)
+CMP_STAGES = 3
 SCORE_BLOCK = 64  # selection blocks scored per chunk by a select program
 BLOCKS_PER_LIST = 64  # at least this many selection blocks per select program
 MAX_LISTS = 16  # select programs per row (the sparse kernel merges n * MAX_LISTS candidates)
@@ -179,7 +182,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
         n_cmp_slots, keys_per_split, splits.cmp, scale * LOG2E, scale,
         HKV=Hkv, GROUP=group, DK=dk, DV=dv, BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=cmp_rows,
         CMP_BLOCK=rules.cmp_block, CMP_STRIDE=rules.cmp_stride, STRICT=rules.strict_visibility,
-        LOGIT_SCORES=rules.logit_scores, DOT_FP32=dot_fp32, num_warps=STEP_WARPS, num_stages=2,
+        LOGIT_SCORES=rules.logit_scores, DOT_FP32=dot_fp32, num_warps=STEP_WARPS, num_stages=CMP_STAGES,
     )
 
     # select: each select program's list of its n best blocks
