@@ -33,3 +33,29 @@ def test_cmp_probe_launch_shapes_write_the_lean_launchs_logits():
         run, logits = cmp_probe.launcher(x, splits, block_n, 4, 2)
         run()
         assert torch.equal(logits, lean_logits), (block_n, splits)
+
+
+def test_prefill_probe_variants_agree(monkeypatch):
+    """perf/prefill_probe.py in the interpreter (fp32, T = 512, 8 q heads in 2 groups, d = 16): every
+    scoring-chunk budget gives the default budget's indices with a different number of chunks, and the other
+    tilings of the group-scores and range-attention kernels compute the default tiling's values (up to the fp32
+    summation order)."""
+    from perf import prefill_probe
+    from reference.config import NSAConfig
+
+    monkeypatch.setattr(prefill_probe, "CFG", NSAConfig.preset("paper", n_heads=8, n_kv_heads=2, head_dim_qk=16,
+                                                                head_dim_v=16, window=64))
+    monkeypatch.setattr(prefill_probe, "_bench", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(prefill_probe, "BUDGETS_MIB", (24, 1 / 64, 1 / 256))
+    monkeypatch.setattr(prefill_probe, "SCORE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
+    monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1)))
+    x = prefill_probe._inputs(512, torch.device("cpu"), torch.float32)
+    scale = 16 ** -0.5
+    selection = prefill_probe.probe_selection(x, scale, rep_ms=1)
+    assert all(row["same_indices"] for row in selection)
+    assert len({row["chunks"] for row in selection}) == 3
+    scores = prefill_probe.probe_scores(x, rows=64, scale=scale, rep_ms=1)
+    assert max(row["max_abs_diff_vs_default"] for row in scores) < 1e-4
+    ranges = prefill_probe.probe_range(x, scale, rep_ms=1)
+    assert {row["branch"] for row in ranges} == {"cmp", "win"}
+    assert max(row["max_abs_diff_vs_default"] for row in ranges) < 1e-5
