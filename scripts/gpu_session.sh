@@ -17,6 +17,10 @@
 #                                                  the authorized launch, stopped by .HALT after a few steps
 #   bash scripts/gpu_session.sh select [seconds]   GPU parity of the fused top-n and Eq. 5 kernels, then a sweep of the
 #                                                  whole layer (SDPA vs range_backend=triton), 8k-128k, fwd and fwd+bwd
+#   bash scripts/gpu_session.sh sweep [seconds]    after a prefill kernel change: the small-config parity of the range
+#                                                  kernels, then the whole layer (SDPA vs range_backend=triton) at
+#                                                  8k-128k, fwd and fwd+bwd, and every stage at 64k, merged into a copy
+#                                                  of reports/perf, with the baseline rewritten from the merged rows
 #   bash scripts/gpu_session.sh decode [seconds]   the decode GPU tests (tests/test_decode_gpu.py: lean step at the
 #                                                  paper layout, graphs, Table 4 reads at 64k), the select and
 #                                                  compressed-split kernel probes, the per-kernel decode profile with
@@ -26,7 +30,7 @@
 # COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
 # `tar xzf gpu_session-<mode>.tgz -C <dir>`; reports/README.md says where each file is committed.
 set -u
-MODE=${1:?usage: gpu_session.sh checks|range|perf|gate|select|decode [seconds]}
+MODE=${1:?usage: gpu_session.sh checks|range|perf|gate|select|sweep|decode [seconds]}
 BUDGET=${2:-400}
 REAL_OUT=${OUT:?OUT must name the folder whose files come back}
 STAGE=$(mktemp -d)
@@ -91,6 +95,25 @@ case "$MODE" in
       --impls "$IMPLS" --case-cap 15 --time-budget $(( $(left) - 70 )) --update-baseline \
       > "$STAGE/perf_single.log" 2>&1
     echo "exit $?" >> "$STAGE/perf_single.log"
+    pack
+    ;;
+  sweep)
+    COMMIT_ARGS=${COMMIT:+--commit $COMMIT}
+    OUT=$STAGE NSA_REPORT_DIR=$STAGE/reports/parity timeout -k 15 120 python3 -m pytest -q -rfE --tb=short \
+      -p no:cacheprovider -n 8 conformance/test_parity_gpu.py -k "test_presets_vs_loop_reference and range" \
+      > "$STAGE/parity_presets.log" 2>&1
+    echo "exit $?" >> "$STAGE/parity_presets.log"
+    cp -r reports/perf "$STAGE/perf" && mkdir -p "$STAGE/baselines" && cp reports/baselines/perf-*.json "$STAGE/baselines/"
+    pack
+    OUT=$STAGE timeout -k 15 $(( $(left) * 2 / 3 )) python3 -m perf run --device cuda --merge --out "$STAGE/perf" \
+      $COMMIT_ARGS --impls "sdpa,nsa[range_backend=triton]" --stages none --seq-lens 8k,16k,32k,64k,128k \
+      --case-cap 60 --time-budget $(( $(left) * 2 / 3 - 20 )) > "$STAGE/perf_layer.log" 2>&1
+    echo "exit $?" >> "$STAGE/perf_layer.log"
+    pack
+    OUT=$STAGE timeout -k 15 $(( $(left) - 10 )) python3 -m perf run --device cuda --merge --out "$STAGE/perf" \
+      $COMMIT_ARGS --impls "nsa[range_backend=triton]" --seq-lens 64k --case-cap 30 --time-budget $(( $(left) - 40 )) \
+      --update-baseline --baseline-dir "$STAGE/baselines" > "$STAGE/perf_stages.log" 2>&1
+    echo "exit $?" >> "$STAGE/perf_stages.log"
     pack
     ;;
   gate)
