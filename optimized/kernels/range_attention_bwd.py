@@ -17,8 +17,10 @@ back), dP = dO V^T, dS = P * (dP - delta), and
   dS does not sum to 0 and every key of the row inherits a shared bias, which a shift-invariant parameter (phi's
   b2, added to every compressed key) sums up: the second H100 run measured d(phi_k.b2) error ratios of 1.1-1.3
   at fp32. The dq kernel accumulates sum P, sum P (dP - D0) and sum P k in its pass, corrects dq to
-  D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. Half precision keeps D0 (its error
-  ratios are far below 1, and the extra P k accumulator would cost registers).
+  D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. Every dtype: half precision kept D0
+  at first, until the H100 run of 2026-11-25 (reports/parity) measured d(phi_k.b1) / d(phi_k.b2) error ratios of
+  1.63 (fp16) and 1.76 (bf16) on the strict_cmp_visibility preset (O stored in half precision carries a ~2^-9
+  relative rounding into D0). The extra sum P k accumulator fits with 8-warp dq programs (tiling.py).
 """
 
 from __future__ import annotations
@@ -234,7 +236,8 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
     split: parts of each key tile's reading rows (default dkdv_split); with more than one, each part's fp32 dk/dv
     go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic).
-    consistent_d: D = sum P dP from the dq pass instead of rowsum(dO * O) (module docstring); default: fp32."""
+    consistent_d: D = sum P dP from the dq pass instead of rowsum(dO * O) (module docstring); default: True
+    (False is FlashAttention-2's D0, kept for perf.prefill_probe's before/after timing)."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dq = torch.empty_like(q)
@@ -246,7 +249,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         return dq, dkey.zero_(), dval.zero_()
     delta = (do.float() * o.float()).sum(dim=-1).contiguous()  # FlashAttention-2's D0 = rowsum(dO * O)
     if consistent_d is None:
-        consistent_d = q.dtype == torch.float32  # the dq kernel replaces D0 by sum P dP (module docstring)
+        consistent_d = True  # the dq kernel replaces D0 by sum P dP (module docstring)
     dot_fp32, precision = dot_settings(q.dtype)
     common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
                   INPUT_PRECISION=precision)
