@@ -9,7 +9,9 @@ What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, me
   branch's lse2 given), with the scoring chunks' P budget (scoring.KERNEL_CHUNK_P_BYTES) set to each value; every
   budget must give the same indices bitwise (the chunking does not change a row's arithmetic);
 - `range`: range_attention_forward (o and lse2) over the compressed branch's ranges and over the window's, per
-  tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|.
+  tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|;
+- `backward`: range_attention_backward over both branches' ranges with FlashAttention-2's D0 = rowsum(dO * O)
+  (the half-precision default before 2026-11-25) or the dq pass's consistent D, each with 4 or 8 dq warps.
 
     python -m perf.prefill_probe [--seq-len 65536]      # on a GPU; prints a table, writes prefill_probe.json
 """
@@ -27,6 +29,7 @@ import triton
 from optimized import scoring
 from optimized.kernels.group_scores import group_scores
 from optimized.kernels.range_attention import check_range_inputs
+from optimized.kernels.range_attention_bwd import range_attention_backward
 from optimized.kernels.range_attention_fwd import range_attention_forward
 from optimized.kernels.tiling import RangeTiling, padded, range_tiling
 from optimized.ranges import CompressedSoftmax, compressed_ranges, window_ranges
@@ -140,11 +143,40 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
     return out
 
 
+BACKWARD_VARIANTS = ((False, 4), (False, 8), (True, 4), (True, 8))  # (consistent D, dq warps), dq tiles 64 x 32
+
+
+def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
+    q = x["q"]
+    g = torch.Generator(device=q.device).manual_seed(1)
+    do = torch.randn(q.shape[:3] + (CFG.head_dim_v,), generator=g, device=q.device).to(q.dtype)
+    out = []
+    for branch in ("cmp", "win"):
+        k, v = x[f"k_{branch}"], x[f"v_{branch}"]
+        lo, hi = x[branch]
+        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
+        flops = 2.5 * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v)  # perf/flops.py's backward rule
+        reference = None
+        for consistent, warps in BACKWARD_VARIANTS:
+            t = RangeTiling(block_m=64, block_n=32, num_warps=warps, num_stages=2)
+
+            def run():
+                return range_attention_backward(q, k, v, lo, hi, o, lse2, do, scale, dq_tiling=t,
+                                                consistent_d=consistent)
+
+            dq = run()[0]
+            reference = dq if reference is None else reference
+            out.append({"probe": "backward", "branch": branch, "consistent_d": consistent, "dq_warps": warps,
+                        "ms": (ms := _bench(run, rep_ms)), "tflops": flops / ms / 1e9,
+                        "max_abs_dq_diff_vs_first": float((dq.float() - reference.float()).abs().max())})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--score-rows", type=int, default=8192, help="the last rows the scores probe reads")
-    parser.add_argument("--probes", default="scores,selection,range")
+    parser.add_argument("--probes", default="scores,selection,range,backward")
     parser.add_argument("--rep-ms", type=int, default=300, help="do_bench's timing window per variant")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -153,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = 1.0 / math.sqrt(CFG.head_dim_qk)
     probes = {"scores": lambda: probe_scores(x, args.score_rows, scale, args.rep_ms),
               "selection": lambda: probe_selection(x, scale, args.rep_ms),
-              "range": lambda: probe_range(x, scale, args.rep_ms)}
+              "range": lambda: probe_range(x, scale, args.rep_ms),
+              "backward": lambda: probe_backward(x, scale, args.rep_ms)}
     results = []
     for name in args.probes.split(","):
         for row in probes[name]():

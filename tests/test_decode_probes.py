@@ -39,7 +39,7 @@ def test_prefill_probe_variants_agree(monkeypatch):
     """perf/prefill_probe.py in the interpreter (fp32, T = 512, 8 q heads in 2 groups, d = 16): every
     scoring-chunk budget gives the default budget's indices with a different number of chunks, and the other
     tilings of the group-scores and range-attention kernels compute the default tiling's values (up to the fp32
-    summation order)."""
+    summation order), as do the backward's D variants (fp32 inputs: D0 and the consistent D agree closely)."""
     from perf import prefill_probe
     from reference.config import NSAConfig
 
@@ -59,3 +59,6 @@ def test_prefill_probe_variants_agree(monkeypatch):
     ranges = prefill_probe.probe_range(x, scale, rep_ms=1)
     assert {row["branch"] for row in ranges} == {"cmp", "win"}
     assert max(row["max_abs_diff_vs_default"] for row in ranges) < 1e-5
+    backward = prefill_probe.probe_backward(x, scale, rep_ms=1)
+    assert len(backward) == 2 * len(prefill_probe.BACKWARD_VARIANTS)
+    assert max(row["max_abs_dq_diff_vs_first"] for row in backward) < 1e-5
