@@ -20,7 +20,8 @@ back), dP = dO V^T, dS = P * (dP - delta), and
   D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. Every dtype: half precision kept D0
   at first, until the H100 run of 2026-11-25 (reports/parity) measured d(phi_k.b1) / d(phi_k.b2) error ratios of
   1.63 (fp16) and 1.76 (bf16) on the strict_cmp_visibility preset (O stored in half precision carries a ~2^-9
-  relative rounding into D0). The extra sum P k accumulator fits with 8-warp dq programs (tiling.py).
+  relative rounding into D0). In half precision sum P k is a bf16 tensor-core dot (P rounded: its error enters
+  dq multiplied by the small D - D0); as an exact fp32 dot on CUDA cores it doubled the 64k backward (H100).
 """
 
 from __future__ import annotations
@@ -105,7 +106,12 @@ def _range_attention_dq_kernel(
         if CONSISTENT_D:
             sum_p += tl.sum(p, 1)
             shift += tl.sum(ds, 1)
-            pk += tl.dot(p, k.to(tl.float32), input_precision=INPUT_PRECISION)
+            # sum P k only corrects dq by the small D - D0, so half precision takes it on the tensor cores with P
+            # rounded to the input dtype (a second-order error); fp32 inputs keep the exact fp32 dot
+            if DOT_FP32:
+                pk += tl.dot(p.to(k.dtype).to(tl.float32), k.to(tl.float32), input_precision=INPUT_PRECISION)
+            else:
+                pk += tl.dot(p.to(k.dtype), k)
     if CONSISTENT_D:
         d_row = delta * sum_p + shift  # = sum_s P_s dP_s with this kernel's P and dP
         dq = dq - (d_row - delta)[:, None] * pk
