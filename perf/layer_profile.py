@@ -1,0 +1,92 @@
+"""Where the NSA layer's time goes, kernel by kernel (issue 8; a GPU diagnostic next to `perf run`'s stage rows).
+
+Runs the perf runner's own layer case (perf.cases.build_nsa_case, paper preset, bf16, batch 1) for one
+implementation and pass under torch.profiler, and reports for each GPU kernel its device time and launches per
+layer call, and the layer's wall time (CUDA events) next to its summed device time: a wall time well above the
+device time means the host (Python, launches, syncs) bounds the call, not the kernels.
+
+    python -m perf.layer_profile --seq-lens 8k,64k [--pass fwd] [--impl "nsa[range_backend=triton]"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .cases import build_nsa_case, single_sequence_inputs
+from .cli import parse_seq_lens
+from .implementations import parse_impls
+from .spec import preset
+
+
+def profile_case(impl, T: int, pass_name: str, calls: int, device: torch.device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = preset("paper")
+    inputs = single_sequence_inputs(spec, T, device, seed=0)
+    run = build_nsa_case(impl, "layer", pass_name, inputs, spec, seed=0).run
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls = []
+    for _ in range(calls):
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(start.elapsed_time(end))
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:80]] += event.device_time_total
+            counts[event.name[:80]] += 1
+    kernels = [{"kernel": name, "ms_per_call": t / calls / 1e3, "launches_per_call": counts[name] / calls}
+               for name, t in sorted(totals.items(), key=lambda kv: -kv[1])]
+    return {"seq_len": T, "pass": pass_name, "impl": impl.label, "wall_ms_median": sorted(walls)[len(walls) // 2],
+            "device_ms_per_call": sum(totals.values()) / calls / 1e3,
+            "launches_per_call": sum(counts.values()) / calls, "kernels": kernels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=parse_seq_lens, default=(8192, 65536))
+    parser.add_argument("--pass", dest="pass_name", choices=("fwd", "fwd_bwd"), default="fwd")
+    parser.add_argument("--impl", default="nsa[range_backend=triton]")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    _, (impl,) = parse_impls(args.impl, "optimized")
+    results = []
+    for T in args.seq_lens:
+        r = profile_case(impl, T, args.pass_name, args.calls, device)
+        results.append(r)
+        print(f"T={T} {args.pass_name} {impl.label}: wall {r['wall_ms_median']:.2f} ms, device {r['device_ms_per_call']:.2f}"
+              f" ms in {r['launches_per_call']:.0f} launches per call", flush=True)
+        for k in r["kernels"][:args.top]:
+            print(f"  {k['ms_per_call']:9.3f} ms  {k['launches_per_call']:7.1f} x  {k['kernel']}", flush=True)
+        torch.cuda.empty_cache()
+    out_dir = Path(args.out) if args.out else Path(os.environ["OUT"]) / "perf" if os.environ.get("OUT") \
+        else Path("reports/perf")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"layer_profile_{args.pass_name}.json").write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "timing": f"torch.profiler device time summed over {args.calls} calls after 2 warm-up calls; wall: CUDA "
+                  "events, median of the same number of calls (L2 not flushed)", "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
