@@ -192,11 +192,12 @@ RANGE_KINDS = ("forward", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # block_n = key rows per program. scores, d_k = 128: 128 x 128 / 8 warps (114 registers) measured 1.69 ms against
 # 1.97 for 64 x 64 / 8 on the last 8k rows at 64k (perf.prefill_probe, H100). dq with the consistent D (its sum P k
 # accumulator, every dtype since 2026-11-25, a bf16 dot in half precision): 64 x 32 / 4 warps at 128 + 128 uses 251
-# registers, no spill; 256 + 128 needs 8 warps (4 spill 8 B; 8: 179 registers).
+# registers, no spill; 256 + 128 needs 8 warps (4 spill 8 B; 8: 179 registers). dk/dv at 128 + 128: 32 query rows x
+# 64 keys / 8 warps (238 registers, no spill) compiles to wgmma; the 64 x 32 tiles before it (212) to mma.sync.
 _RANGE_TABLE = {
     "forward": ((128, (128, 64, 8)), (256, (64, 32, 4)), (384, (128, 64, 8)), (512, (64, 32, 8))),
     "dq": ((128, (64, 32, 4)), (256, (64, 32, 4)), (384, (32, 32, 8)), (512, (32, 32, 8))),
-    "dkdv": ((128, (64, 32, 8)), (256, (64, 32, 8)), (384, (64, 32, 8)), (512, (32, 16, 8))),
+    "dkdv": ((128, (64, 32, 8)), (256, (32, 64, 8)), (384, (64, 32, 8)), (512, (32, 16, 8))),
     "scores": ((128, (64, 64, 4)), (256, (128, 128, 8)), (384, (64, 32, 8)), (512, (64, 32, 8))),
 }
 
