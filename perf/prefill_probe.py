@@ -11,7 +11,7 @@ What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, me
 - `range`: range_attention_forward (o and lse2) over the compressed branch's ranges and over the window's, per
   tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|;
 - `backward`: range_attention_backward over both branches' ranges with FlashAttention-2's D0 = rowsum(dO * O)
-  (the half-precision default before 2026-11-25) or the dq pass's consistent D, each with 4 or 8 dq warps.
+  (the half-precision default before 2026-11-25) or the dq pass's consistent D, and other dk/dv tilings.
 
     python -m perf.prefill_probe [--seq-len 65536]      # on a GPU; prints a table, writes prefill_probe.json
 """
@@ -143,7 +143,9 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
     return out
 
 
-BACKWARD_VARIANTS = ((False, 4), (False, 8), (True, 4), (True, 8))  # (consistent D, dq warps), dq tiles 64 x 32
+# (consistent D, dq warps, dk/dv tiling (query rows per step, key rows per program, warps, stages)); dq tiles 64 x 32
+BACKWARD_VARIANTS = ((False, 4, (64, 32, 8, 2)), (True, 4, (64, 32, 8, 2)), (True, 4, (32, 64, 8, 2)),
+                     (True, 4, (32, 64, 8, 3)), (True, 4, (32, 128, 8, 2)), (True, 4, (16, 64, 4, 2)))
 
 
 def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
@@ -157,18 +159,19 @@ def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
         o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
         flops = 2.5 * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v)  # perf/flops.py's backward rule
         reference = None
-        for consistent, warps in BACKWARD_VARIANTS:
+        for consistent, warps, dkdv in BACKWARD_VARIANTS:
             t = RangeTiling(block_m=64, block_n=32, num_warps=warps, num_stages=2)
 
             def run():
                 return range_attention_backward(q, k, v, lo, hi, o, lse2, do, scale, dq_tiling=t,
-                                                consistent_d=consistent)
+                                                dkdv_tiling=_tiling(dkdv), consistent_d=consistent)
 
-            dq = run()[0]
-            reference = dq if reference is None else reference
+            grads = run()
+            reference = grads if reference is None else reference
+            diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(grads, reference))
             out.append({"probe": "backward", "branch": branch, "consistent_d": consistent, "dq_warps": warps,
-                        "ms": (ms := _bench(run, rep_ms)), "tflops": flops / ms / 1e9,
-                        "max_abs_dq_diff_vs_first": float((dq.float() - reference.float()).abs().max())})
+                        "dkdv_tiling": list(dkdv), "ms": (ms := _bench(run, rep_ms)), "tflops": flops / ms / 1e9,
+                        "max_abs_grad_diff_vs_first": diff})
     return out
 
 

@@ -49,6 +49,8 @@ def test_prefill_probe_variants_agree(monkeypatch):
     monkeypatch.setattr(prefill_probe, "BUDGETS_MIB", (24, 1 / 64, 1 / 256))
     monkeypatch.setattr(prefill_probe, "SCORE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
     monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1)))
+    monkeypatch.setattr(prefill_probe, "BACKWARD_VARIANTS", ((False, 4, (16, 16, 4, 1)), (True, 4, (16, 16, 4, 1)),
+                                                             (True, 4, (16, 32, 4, 1))))
     x = prefill_probe._inputs(512, torch.device("cpu"), torch.float32)
     scale = 16 ** -0.5
     selection = prefill_probe.probe_selection(x, scale, rep_ms=1)
@@ -61,4 +63,4 @@ def test_prefill_probe_variants_agree(monkeypatch):
     assert max(row["max_abs_diff_vs_default"] for row in ranges) < 1e-5
     backward = prefill_probe.probe_backward(x, scale, rep_ms=1)
     assert len(backward) == 2 * len(prefill_probe.BACKWARD_VARIANTS)
-    assert max(row["max_abs_dq_diff_vs_first"] for row in backward) < 1e-5
+    assert max(row["max_abs_grad_diff_vs_first"] for row in backward) < 1e-5
