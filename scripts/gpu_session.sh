@@ -21,6 +21,10 @@
 #                                                  kernels, then the whole layer (SDPA vs range_backend=triton) at
 #                                                  8k-128k, fwd and fwd+bwd, and every stage at 64k, merged into a copy
 #                                                  of reports/perf, with the baseline rewritten from the merged rows
+#   bash scripts/gpu_session.sh profile [seconds]  where the prefill layer's time goes: perf.prefill_probe (group-scores and
+#                                                  range tilings, scoring-chunk budgets, backward D and dk/dv tilings
+#                                                  at 64k) and perf.layer_profile (kernel by kernel, 8k and 64k forward,
+#                                                  64k forward + backward)
 #   bash scripts/gpu_session.sh decode [seconds]   the decode GPU tests (tests/test_decode_gpu.py: lean step at the
 #                                                  paper layout, graphs, Table 4 reads at 64k), the select and
 #                                                  compressed-split kernel probes, the per-kernel decode profile with
@@ -30,7 +34,7 @@
 # COMMIT=<sha> names the commit in the perf metadata (the copied tree has no .git). Unpack locally with
 # `tar xzf gpu_session-<mode>.tgz -C <dir>`; reports/README.md says where each file is committed.
 set -u
-MODE=${1:?usage: gpu_session.sh checks|range|perf|gate|select|sweep|decode [seconds]}
+MODE=${1:?usage: gpu_session.sh checks|range|perf|gate|select|sweep|profile|decode [seconds]}
 BUDGET=${2:-400}
 REAL_OUT=${OUT:?OUT must name the folder whose files come back}
 STAGE=$(mktemp -d)
@@ -114,6 +118,20 @@ case "$MODE" in
       $COMMIT_ARGS --impls "nsa[range_backend=triton]" --seq-lens 64k --case-cap 30 --time-budget $(( $(left) - 40 )) \
       --update-baseline --baseline-dir "$STAGE/baselines" > "$STAGE/perf_stages.log" 2>&1
     echo "exit $?" >> "$STAGE/perf_stages.log"
+    pack
+    ;;
+  profile)
+    OUT=$STAGE timeout -k 15 $(( $(left) * 3 / 5 )) python3 -m perf.prefill_probe --out "$STAGE/perf" \
+      > "$STAGE/prefill_probe.log" 2>&1
+    echo "exit $?" >> "$STAGE/prefill_probe.log"
+    pack
+    OUT=$STAGE timeout -k 15 $(( $(left) / 2 )) python3 -m perf.layer_profile --seq-lens 8k,64k --out "$STAGE/perf" \
+      > "$STAGE/layer_profile_fwd.log" 2>&1
+    echo "exit $?" >> "$STAGE/layer_profile_fwd.log"
+    pack
+    OUT=$STAGE timeout -k 15 $(( $(left) - 10 )) python3 -m perf.layer_profile --seq-lens 64k --pass fwd_bwd --top 16 \
+      --out "$STAGE/perf" > "$STAGE/layer_profile_fwd_bwd.log" 2>&1
+    echo "exit $?" >> "$STAGE/layer_profile_fwd_bwd.log"
     pack
     ;;
   gate)
