@@ -200,12 +200,12 @@ def top_n_seams_are_kernel_rules() -> bool:
 # the top-n kernel reads it straight back, so a chunk holds as many rows as keep P within this budget. Each chunk
 # costs two launches and ~0.28 ms of host work (the wrappers, Triton's launcher: the 64k times below differ by
 # 22 ms for 78 chunks), and since the group-scores kernel's head sum became a reduction (a4cdba2) the GPU
-# finishes a 24 MiB chunk before the host has queued the next one. Measured at 64k (perf.prefill_probe, H100, 2026-11-25): the whole selection_indices (lse2 given) takes
-# 41.9 / 22.5 / 20.3 / 19.8 ms with 24 / 64 / 128 / 256 MiB chunks (88 / 34 / 18 / 10 chunks), the same indices
-# bitwise; P beyond the 50 MB L2 costs its HBM round trip (2 x 2.1 GB at 64k over all chunks, ~1.4 ms at 3 TB/s),
-# much less than the host time it saves. The budget bounds the scratch, not the peak memory's growth in T. Sizing by
-# the width each chunk actually has (a row reads ~p/d compressed tokens) rather than by N gives early rows larger
-# chunks.
+# finishes a 24 MiB chunk before the host has queued the next one. Measured at 64k (perf.prefill_probe, H100,
+# 2026-11-25): the whole selection_indices (lse2 given) takes 41.9 / 22.5 / 20.3 / 19.8 ms with 24 / 64 / 128 /
+# 256 MiB chunks (88 / 34 / 18 / 10 chunks), the same indices bitwise; P beyond the 50 MB L2 costs its HBM round
+# trip (2 x 2.1 GB at 64k over all chunks, ~1.4 ms at 3 TB/s), much less than the host time it saves. The budget
+# bounds the scratch, not the peak memory's growth in T. Sizing by the width each chunk actually has (a row reads
+# ~p/d compressed tokens) rather than by N gives early rows larger chunks.
 KERNEL_CHUNK_P_BYTES = 256 * 2**20
 
 

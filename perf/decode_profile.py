@@ -86,7 +86,8 @@ def kernel_times(cache: NSADecodeCache, inputs: tuple, steps: int, flush: torch.
             graph.replay(False)
         torch.cuda.synchronize()
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and "zero" not in event.name and "fill" not in event.name:
+        if (event.device_type == torch.autograd.DeviceType.CUDA and "zero" not in event.name
+                and "fill" not in event.name):
             totals[event.name[:60]] += event.device_time_total if hasattr(event, "device_time_total") \
                 else event.cuda_time_total
     cache.set_host_lengths(cache.lengths + steps)

@@ -146,12 +146,14 @@ def top_n_blocks_triton(scores: Tensor, J: Tensor, n_sel: int, n_init: int, n_lo
     helpers: `lists` programs per row each rank a share of the blocks (chunks of `block` lanes), then a second
     launch merges their lists. Returns int64 [R, n_sel], ascending, -1 padded."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"top_n_blocks_triton: scores must be float32 [R, NB], got {scores.dtype} {tuple(scores.shape)}")
+        raise ValueError(f"top_n_blocks_triton: scores must be float32 [R, NB], got {scores.dtype} "
+                         f"{tuple(scores.shape)}")
     if J.shape != scores.shape[:1] or J.dtype != torch.int64:
         raise ValueError(f"top_n_blocks_triton: J must be int64 [R] = [{scores.shape[0]}], got {J.dtype} "
                          f"{tuple(J.shape)}")
     if lists < 1 or block < 16 or block & (block - 1):
-        raise ValueError(f"top_n_blocks_triton: lists must be >= 1 and block a power of two >= 16, got {lists}, {block}")
+        raise ValueError(f"top_n_blocks_triton: lists must be >= 1 and block a power of two >= 16, got {lists}, "
+                         f"{block}")
     R, NB = scores.shape
     n_pad = list_width(n_sel)
     out = torch.empty((R, n_sel), dtype=torch.int64, device=scores.device)
