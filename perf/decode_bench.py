@@ -242,12 +242,12 @@ def environment(device: torch.device, args) -> dict:
     return info
 
 
-def report_dir(out: str | None) -> Path:
-    """Where the decode bench, profile and probes write: `out` if given, else $OUT/decode on a lent GPU, else
-    reports/decode."""
+def report_dir(out: str | None, folder: str = "decode") -> Path:
+    """Where the perf tools other than `perf run` write: `out` if given, else $OUT/<folder> on a lent GPU, else
+    reports/<folder> ("decode": the decode bench, profile and probes; "perf": the prefill probe and layer profile)."""
     if out:
         return Path(out)
-    return Path(os.environ["OUT"]) / "decode" if os.environ.get("OUT") else Path("reports/decode")
+    return Path(os.environ["OUT"]) / folder if os.environ.get("OUT") else Path("reports") / folder
 
 
 def write_probe_report(out_dir: Path, name: str, timing: str, results: list[dict]) -> None:

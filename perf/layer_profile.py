@@ -11,15 +11,13 @@ device time means the host (Python, launches, syncs) bounds the call, not the ke
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
 from .cases import build_nsa_case, single_sequence_inputs
 from .cli import parse_seq_lens
+from .decode_bench import report_dir, write_probe_report
 from .implementations import parse_impls
 from .spec import preset
 
@@ -73,18 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     for T in args.seq_lens:
         r = profile_case(impl, T, args.pass_name, args.calls, device)
         results.append(r)
-        print(f"T={T} {args.pass_name} {impl.label}: wall {r['wall_ms_median']:.2f} ms, device {r['device_ms_per_call']:.2f}"
-              f" ms in {r['launches_per_call']:.0f} launches per call", flush=True)
+        print(f"T={T} {args.pass_name} {impl.label}: wall {r['wall_ms_median']:.2f} ms, device "
+              f"{r['device_ms_per_call']:.2f} ms in {r['launches_per_call']:.0f} launches per call", flush=True)
         for k in r["kernels"][:args.top]:
             print(f"  {k['ms_per_call']:9.3f} ms  {k['launches_per_call']:7.1f} x  {k['kernel']}", flush=True)
         torch.cuda.empty_cache()
-    out_dir = Path(args.out) if args.out else Path(os.environ["OUT"]) / "perf" if os.environ.get("OUT") \
-        else Path("reports/perf")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"layer_profile_{args.pass_name}.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "timing": f"torch.profiler device time summed over {args.calls} calls after 2 warm-up calls; wall: CUDA "
-                  "events, median of the same number of calls (L2 not flushed)", "results": results}, indent=2))
+    write_probe_report(report_dir(args.out, "perf"), f"layer_profile_{args.pass_name}",
+                       f"torch.profiler device time summed over {args.calls} calls after 2 warm-up calls; wall: CUDA "
+                       "events, median of the same number of calls (L2 not flushed)", results)
     return 0
 
 

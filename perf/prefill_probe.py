@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-from pathlib import Path
 
 import torch
 import triton
 
-from optimized import scoring
+from optimized import masks, scoring
 from optimized.kernels.group_scores import group_scores
 from optimized.kernels.range_attention import check_range_inputs
 from optimized.kernels.range_attention_bwd import range_attention_backward
@@ -35,7 +33,8 @@ from optimized.kernels.tiling import RangeTiling, padded, range_tiling
 from optimized.ranges import CompressedSoftmax, compressed_ranges, window_ranges
 from reference.config import NSAConfig
 
-from .decode_bench import write_probe_report
+from .decode_bench import report_dir, write_probe_report
+from .flops import ATTENTION_BWD_FACTOR
 
 CFG = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
 SCORE_TILINGS = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2))
@@ -44,8 +43,8 @@ RANGE_TILINGS = ((64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2
 BUDGETS_MIB = (24, 64, 128, 256)
 
 
-def _tiling(text: tuple[int, int, int, int]) -> RangeTiling:
-    return RangeTiling(block_m=text[0], block_n=text[1], num_warps=text[2], num_stages=text[3])
+def _tiling(shape: tuple[int, int, int, int]) -> RangeTiling:
+    return RangeTiling(block_m=shape[0], block_n=shape[1], num_warps=shape[2], num_stages=shape[3])
 
 
 def _bench(fn, rep_ms: int) -> float:
@@ -53,9 +52,11 @@ def _bench(fn, rep_ms: int) -> float:
 
 
 def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Random q and per-branch k/v of one sequence, the compressed and window ranges, and the compressed branch's
+    lse2 (what nsa_forward hands the selection)."""
     cfg = CFG
     g = torch.Generator(device=device).manual_seed(T)
-    n_cmp = (T - cfg.cmp_block) // cfg.cmp_stride + 1
+    n_cmp = masks.compressed_block_count(T, cfg)
 
     def randn(*shape):
         return torch.randn(shape, generator=g, device=device).to(dtype)
@@ -66,8 +67,9 @@ def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -
     positions = torch.arange(T, device=device)
     cmp_lo, cmp_hi = check_range_inputs(q, k_cmp, v_cmp, *compressed_ranges(positions, n_cmp, cfg))
     win_lo, win_hi = check_range_inputs(q, k_win, v_win, *window_ranges(positions, cfg))
+    cmp_lse2 = range_attention_forward(q, k_cmp, None, cmp_lo, cmp_hi, 1.0 / math.sqrt(cfg.head_dim_qk))[1]
     return {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp, "k_win": k_win, "v_win": v_win,
-            "cmp": (cmp_lo, cmp_hi), "win": (win_lo, win_hi)}
+            "cmp": (cmp_lo, cmp_hi), "win": (win_lo, win_hi), "cmp_lse2": cmp_lse2}
 
 
 def _useful_flops(lo: torch.Tensor, hi: torch.Tensor, dims: int) -> float:
@@ -81,8 +83,7 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
     T = q.shape[1]
     r0 = max(0, T - rows)
     lo, hi = (t[r0:].contiguous() for t in x["cmp"])
-    _, lse2 = range_attention_forward(q, k_cmp, None, *x["cmp"], scale)
-    lse2 = lse2[:, r0:].contiguous()
+    lse2 = x["cmp_lse2"][:, r0:].contiguous()
     qr = q[:, r0:]
     width = int((hi - lo + 1).max())
     flops = _useful_flops(lo, hi, CFG.head_dim_qk)
@@ -99,27 +100,33 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
     return out
 
 
-def probe_selection(x: dict, scale: float, rep_ms: int) -> list[dict]:
+def probe_selection(x: dict, rep_ms: int) -> list[dict]:
     q, k_cmp = x["q"], x["k_cmp"]
-    _, lse2 = range_attention_forward(q, k_cmp, None, *x["cmp"], scale)
-    soft = CompressedSoftmax(*x["cmp"], lse2)
-    saved = scoring.KERNEL_CHUNK_P_BYTES
+    soft = CompressedSoftmax(*x["cmp"], x["cmp_lse2"])
+    saved_budget, kernel_chunks = scoring.KERNEL_CHUNK_P_BYTES, scoring._kernel_chunks
+    used: list[int] = []
+
+    def counted_chunks(*args):  # the chunks selection_indices actually ran
+        chunks = kernel_chunks(*args)
+        used.append(len(chunks))
+        return chunks
+
+    def run():
+        return scoring.selection_indices(q, k_cmp, CFG, range_backend="triton", cmp_softmax=soft)
+
     out, first = [], None
     try:
+        scoring._kernel_chunks = counted_chunks
         for mib in BUDGETS_MIB:
             scoring.KERNEL_CHUNK_P_BYTES = mib * 2**20
-
-            def run():
-                return scoring.selection_indices(q, k_cmp, CFG, range_backend="triton", cmp_softmax=soft)
-
+            used.clear()
             indices = run()
             first = indices if first is None else first
-            widths = torch.clamp(x["cmp"][1] - x["cmp"][0] + 1, min=0).cpu()
-            chunks = len(scoring._kernel_chunks(widths, CFG.n_kv_heads * 4, None))
-            out.append({"probe": "selection", "budget_mib": mib, "default": mib * 2**20 == saved, "chunks": chunks,
-                        "ms": _bench(run, rep_ms), "same_indices": bool(torch.equal(indices, first))})
+            out.append({"probe": "selection", "budget_mib": mib, "default": mib * 2**20 == saved_budget,
+                        "chunks": used[0], "ms": _bench(run, rep_ms),
+                        "same_indices": bool(torch.equal(indices, first))})
     finally:
-        scoring.KERNEL_CHUNK_P_BYTES = saved
+        scoring.KERNEL_CHUNK_P_BYTES, scoring._kernel_chunks = saved_budget, kernel_chunks
     return out
 
 
@@ -157,7 +164,7 @@ def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
         lo, hi = x[branch]
         o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
-        flops = 2.5 * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v)  # perf/flops.py's backward rule
+        flops = ATTENTION_BWD_FACTOR * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v)
         reference = None
         for consistent, warps, dkdv in BACKWARD_VARIANTS:
             t = RangeTiling(block_m=64, block_n=32, num_warps=warps, num_stages=2)
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     x = _inputs(args.seq_len, device)
     scale = 1.0 / math.sqrt(CFG.head_dim_qk)
     probes = {"scores": lambda: probe_scores(x, args.score_rows, scale, args.rep_ms),
-              "selection": lambda: probe_selection(x, scale, args.rep_ms),
+              "selection": lambda: probe_selection(x, args.rep_ms),
               "range": lambda: probe_range(x, scale, args.rep_ms),
               "backward": lambda: probe_backward(x, scale, args.rep_ms)}
     results = []
@@ -195,10 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in probes[name]():
             results.append(row)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    out_dir = Path(args.out) if args.out else Path(os.environ["OUT"]) / "perf" if os.environ.get("OUT") \
-        else Path("reports/perf")
-    write_probe_report(out_dir, "prefill_probe", f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} "
-                       f"ms; T = {args.seq_len}, scores over the last {args.score_rows} rows", results)
+    write_probe_report(report_dir(args.out, "perf"), "prefill_probe",
+                       f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; T = {args.seq_len}, "
+                       f"scores over the last {args.score_rows} rows", results)
     return 0
 
 

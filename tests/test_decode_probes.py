@@ -53,7 +53,7 @@ def test_prefill_probe_variants_agree(monkeypatch):
                                                              (True, 4, (16, 32, 4, 1))))
     x = prefill_probe._inputs(512, torch.device("cpu"), torch.float32)
     scale = 16 ** -0.5
-    selection = prefill_probe.probe_selection(x, scale, rep_ms=1)
+    selection = prefill_probe.probe_selection(x, rep_ms=1)
     assert all(row["same_indices"] for row in selection)
     assert len({row["chunks"] for row in selection}) == 3
     scores = prefill_probe.probe_scores(x, rows=64, scale=scale, rep_ms=1)
