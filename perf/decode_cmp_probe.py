@@ -21,7 +21,7 @@ import torch
 import triton
 
 from optimized.kernels.decode_splits import Partials
-from optimized.kernels.decode_step import BLOCK_N, CMP_STAGES, STEP_WARPS
+from optimized.kernels.decode_step import BLOCK_N, CMP_STAGES, STEP_WARPS, equal_shares
 from optimized.kernels.decode_step_cmp import _compressed_split_kernel
 from optimized.kernels.selected_attention_fwd import LOG2E
 
@@ -45,9 +45,8 @@ def inputs(batch: int, context: int, device: torch.device, dtype: torch.dtype = 
 def launcher(x: dict, splits: int, block_n: int, warps: int, stages: int):
     """The kernel launched as lean_decode_step does, with these splits and launch shape; returns (run, logits)."""
     group, rows, n_slots = HQ // HKV, x["rows"], x["n_slots"]
-    tiles = -(-n_slots // block_n)
-    keys_per_split = -(-tiles // splits) * block_n
-    splits = -(-tiles * block_n // keys_per_split)
+    tiles_per_split, splits = equal_shares(-(-n_slots // block_n), splits)
+    keys_per_split = tiles_per_split * block_n
     parts = Partials.empty(rows, splits, group, D, x["q"].device)
     logits = torch.empty((rows, group, n_slots), dtype=torch.float32, device=x["q"].device)
     q, k, v = x["q"], x["k"], x["v"]

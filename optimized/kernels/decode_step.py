@@ -110,6 +110,13 @@ def step_splits(rows: int, n_cmp_slots: int, n_sel_blocks: int, n_sel: int, sel_
                       slc=slc, win=clamp(sparse - slc, window_tiles))
 
 
+def equal_shares(units: int, parts: int) -> tuple[int, int]:
+    """(units per part, parts that get any) when `units` are dealt to at most `parts` parts in equal shares of
+    ceil(units / parts): a launch's splits, each with work."""
+    per_part = -(-units // parts)
+    return per_part, -(-units // per_part)
+
+
 def default_step_splits(q: Tensor, history: tuple[Tensor, Tensor], window: tuple[Tensor, Tensor], rules: StepRules,
                         n_cmp_slots: int, n_sel_blocks: int) -> StepSplits:
     """step_splits for a step of queries q [B, 1, Hq, dk] over these history / window buffers (what
@@ -147,13 +154,12 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     splits = splits or default_step_splits(q, history, window, rules, n_cmp_slots, n_sel_blocks)
     # every split gets work: the shares first, then the splits they need
     cmp_rows = cmp_tile_rows()
-    cmp_tiles = max(1, -(-n_cmp_slots // cmp_rows))
-    keys_per_split = -(-cmp_tiles // splits.cmp) * cmp_rows
-    blocks_per_list = -(-n_sel_blocks // splits.lists)
-    slots_per_split = -(-rules.n_sel // splits.slc)
-    tiles_per_win_split = -(-window_tiles // splits.win)
-    splits = StepSplits(cmp=-(-cmp_tiles * cmp_rows // keys_per_split), lists=-(-n_sel_blocks // blocks_per_list),
-                        slc=-(-rules.n_sel // slots_per_split), win=-(-window_tiles // tiles_per_win_split))
+    cmp_tiles_per_split, n_cmp = equal_shares(max(1, -(-n_cmp_slots // cmp_rows)), splits.cmp)
+    keys_per_split = cmp_tiles_per_split * cmp_rows
+    blocks_per_list, n_lists = equal_shares(n_sel_blocks, splits.lists)
+    slots_per_split, n_slc = equal_shares(rules.n_sel, splits.slc)
+    tiles_per_win_split, n_win = equal_shares(window_tiles, splits.win)
+    splits = StepSplits(cmp=n_cmp, lists=n_lists, slc=n_slc, win=n_win)
     n_pad = list_width(rules.n_sel)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     scale = 1.0 / math.sqrt(dk)
