@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +191,13 @@ def write_merged_report(out_dir: Path | str, stem: str, report: dict, markdown: 
     _atomic_write(out_dir / f"{stem}.json", json.dumps(merged, indent=2, default=str))
     _atomic_write(out_dir / f"{stem}.md", markdown(merged))
     return merged
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """The lines of a markdown table: the header, its |---| rule (one per column), then one line per row (cells as
+    str())."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + \
+        ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
 def finish_gpu_report(request, report: dict, stem: str, markdown: Callable[[dict], str],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import optimized as O
-from conformance.helpers import error_ratio, finish_gpu_report, make_inputs
+from conformance.helpers import error_ratio, finish_gpu_report, make_inputs, markdown_table
 from conformance.parity import score_tolerance, selection_mismatches
 from optimized import masks
 from optimized.documents import documents
@@ -59,17 +59,16 @@ def write_report(request: pytest.FixtureRequest):
 def markdown(report: dict) -> str:
     lines = [f"# Triton range attention on {report.get('device')} (torch {report.get('torch')}, triton "
              f"{report.get('triton')})", "",
-             "## Parity vs the dense naive oracle (error ratio <= 1 passes)", "",
-             "| case | dtype | o | lse | dq | dk | dv |", "|---|---|---|---|---|---|---|"]
-    for r in report["parity"]:
-        ratios = r["ratios"]
-        lines.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(f"{ratios[k]:.3f}" for k in
-                                                                   ("o", "lse", "dq", "dk", "dv")) + " |")
-    lines += ["", "## Group scores (Eq. 8 + 10) vs the torch path in float64", "",
-              "| case | dtype | score ratio | (row, group)s differing from float64 | outside the tie tolerance |",
-              "|---|---|---|---|---|"]
-    for r in report["scores"]:
-        lines.append(f"| {r['case']} | {r['dtype']} | {r['ratio']:.3f} | {r['differing']} | {r['outside']} |")
+             "## Parity vs the dense naive oracle (error ratio <= 1 passes)", ""]
+    grads = ("o", "lse", "dq", "dk", "dv")
+    lines += markdown_table(("case", "dtype") + grads,
+                            ((r["case"], r["dtype"], *(f"{r['ratios'][k]:.3f}" for k in grads))
+                             for r in report["parity"]))
+    lines += ["", "## Group scores (Eq. 8 + 10) vs the torch path in float64", ""]
+    lines += markdown_table(("case", "dtype", "score ratio", "(row, group)s differing from float64",
+                             "outside the tie tolerance"),
+                            ((r["case"], r["dtype"], f"{r['ratio']:.3f}", r["differing"], r["outside"])
+                             for r in report["scores"]))
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import optimized as O
-from conformance.helpers import finish_gpu_report, make_inputs
+from conformance.helpers import finish_gpu_report, make_inputs, markdown_table
 from optimized import masks
 from optimized.kernels.select_top_n import select_top_n
 from optimized.ranges import compressed_ranges
@@ -45,16 +45,14 @@ def write_report(request: pytest.FixtureRequest):
 def markdown(report: dict) -> str:
     lines = [f"# Fused Eq. 9-11 top-n kernel on {report.get('device')} (torch {report.get('torch')}, triton "
              f"{report.get('triton')})", "",
-             "## Kernel vs the torch code on the same P (rows must be identical)", "",
-             "| case | rows x groups | differing | kernel ms | torch code ms |", "|---|---|---|---|---|"]
-    for r in report["kernel"]:
-        lines.append(f"| {r['case']} | {r['rows']} | {r['differing']} | {r['kernel_ms']:.3f} | {r['torch_ms']:.3f} |")
-    lines += ["", "## selection_indices(range_backend='triton'): fused vs the torch code (seam replaced)", "",
-              "| case | differing (row, group)s | fused ms | torch code ms | chunk 777 identical |",
-              "|---|---|---|---|---|"]
-    for r in report["selection"]:
-        lines.append(f"| {r['case']} | {r['differing']} | {r['fused_ms']:.2f} | {r['torch_ms']:.2f} | "
-                     f"{r['chunked_identical']} |")
+             "## Kernel vs the torch code on the same P (rows must be identical)", ""]
+    lines += markdown_table(("case", "rows x groups", "differing", "kernel ms", "torch code ms"),
+                            ((r["case"], r["rows"], r["differing"], f"{r['kernel_ms']:.3f}", f"{r['torch_ms']:.3f}")
+                             for r in report["kernel"]))
+    lines += ["", "## selection_indices(range_backend='triton'): fused vs the torch code (seam replaced)", ""]
+    lines += markdown_table(("case", "differing (row, group)s", "fused ms", "torch code ms", "chunk 777 identical"),
+                            ((r["case"], r["differing"], f"{r['fused_ms']:.2f}", f"{r['torch_ms']:.2f}",
+                              r["chunked_identical"]) for r in report["selection"]))
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance.helpers import error_ratio, finish_gpu_report, rel_error
+from conformance.helpers import error_ratio, finish_gpu_report, markdown_table, rel_error
 from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels.selected_attention_bwd import (selected_attention_backward, selected_attention_backward_dkdv,
@@ -283,28 +283,25 @@ def markdown(report: dict) -> str:
     lines = [f"# Triton selected attention on {report.get('device')} (torch {report.get('torch')}, "
              f"triton {report.get('triton')})", ""]
     if report["parity"]:
-        lines += ["## Parity vs naive (error ratio <= 1 passes; rel = ||x - f64|| / ||f64||)", "",
-                  "| case | dtype | o ratio | dq ratio | dk ratio | dv ratio | o rel | dk rel |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in report["parity"]:
-            lines.append(f"| {r['case']} | {r['dtype']} | {r['o_ratio']:.3f} | {r['dq_ratio']:.3f} | "
-                         f"{r['dk_ratio']:.3f} | {r['dv_ratio']:.3f} | {r['o_rel']:.2e} | {r['dk_rel']:.2e} |")
+        lines += ["## Parity vs naive (error ratio <= 1 passes; rel = ||x - f64|| / ||f64||)", ""]
+        lines += markdown_table(("case", "dtype", "o ratio", "dq ratio", "dk ratio", "dv ratio", "o rel", "dk rel"),
+                                ((r["case"], r["dtype"], f"{r['o_ratio']:.3f}", f"{r['dq_ratio']:.3f}",
+                                  f"{r['dk_ratio']:.3f}", f"{r['dv_ratio']:.3f}", f"{r['o_rel']:.2e}",
+                                  f"{r['dk_rel']:.2e}") for r in report["parity"]))
         lines.append("")
     for r in report["long"]:
         lines += ["## T = 65536 forward + backward", "", "```", json.dumps(r, indent=1), "```", ""]
     if report["timing"]:
-        lines += ["## Timing (median ms, bf16, Hq=64, Hkv=4, d=128, n=16, l'=64)", "",
-                  "| T | kernel fwd | kernel bwd | kernel fwd+bwd | dq kernel | dk/dv (+index) | index build | "
-                  "SDPA fwd | SDPA bwd | SDPA fwd+bwd | SDPA/kernel fwd | SDPA/kernel fwd+bwd |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in report["timing"]:
-            lines.append(f"| {r['tk']} | {r['kernel_fwd_ms']:.2f} | {r['kernel_bwd_ms']:.2f} | "
-                         f"{r['kernel_fwd_bwd_ms']:.2f} | {r['dq_kernel_ms']:.2f} | {r['dkdv_ms']:.2f} | "
-                         f"{r['index_build_ms']:.2f} | "
-                         f"{r['sdpa_causal_fwd_ms']:.2f} | {r['sdpa_causal_bwd_ms']:.2f} | "
-                         f"{r['sdpa_causal_fwd_bwd_ms']:.2f} | "
-                         f"{r['sdpa_causal_fwd_ms'] / r['kernel_fwd_ms']:.1f}x | "
-                         f"{r['sdpa_causal_fwd_bwd_ms'] / r['kernel_fwd_bwd_ms']:.1f}x |")
+        lines += ["## Timing (median ms, bf16, Hq=64, Hkv=4, d=128, n=16, l'=64)", ""]
+        times = ("kernel_fwd_ms", "kernel_bwd_ms", "kernel_fwd_bwd_ms", "dq_kernel_ms", "dkdv_ms", "index_build_ms",
+                 "sdpa_causal_fwd_ms", "sdpa_causal_bwd_ms", "sdpa_causal_fwd_bwd_ms")
+        lines += markdown_table(("T", "kernel fwd", "kernel bwd", "kernel fwd+bwd", "dq kernel", "dk/dv (+index)",
+                                 "index build", "SDPA fwd", "SDPA bwd", "SDPA fwd+bwd", "SDPA/kernel fwd",
+                                 "SDPA/kernel fwd+bwd"),
+                                ((r["tk"], *(f"{r[k]:.2f}" for k in times),
+                                  f"{r['sdpa_causal_fwd_ms'] / r['kernel_fwd_ms']:.1f}x",
+                                  f"{r['sdpa_causal_fwd_bwd_ms'] / r['kernel_fwd_bwd_ms']:.1f}x")
+                                 for r in report["timing"]))
         lines.append("")
     for key in ("forward_sweep", "dq_sweep", "dkdv_sweep"):
         if report[key]:

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 import optimized as O
 import reference
-from conformance.helpers import Inputs, error_ratio, finish_gpu_report, make_inputs
+from conformance.helpers import Inputs, error_ratio, finish_gpu_report, make_inputs, markdown_table
 from conformance.parity import (cotangent, grads_of, low_precision_example, reference_teacher_forced,
                                 score_tolerance, selection_mismatches, small_configs, tensor_names)
 from reference import selection as ref_selection
@@ -81,14 +81,16 @@ def markdown(report: dict) -> str:
     for section, rows in report.items():
         if not isinstance(rows, list) or not rows:
             continue
-        lines += [f"## {section}", "", "| case | dtype | shape | oracle | worst ratio | detail |", "|---|---|---|---|---|---|"]
-        for r in rows:
-            worst = r.get("worst_ratio")
-            worst_text = f"{worst[1]:.3f} ({worst[0]})" if worst else "-"
-            lines.append(f"| {r['case']} | {r['dtype']} | {r['shape']} | {r['oracle']} | {worst_text} | "
-                         f"{r.get('detail', '')} |")
+        lines += [f"## {section}", ""]
+        lines += markdown_table(("case", "dtype", "shape", "oracle", "worst ratio", "detail"),
+                                ((r["case"], r["dtype"], r["shape"], r["oracle"], worst_text(r.get("worst_ratio")),
+                                  r.get("detail", "")) for r in rows))
         lines.append("")
     return "\n".join(lines)
+
+
+def worst_text(worst: tuple[str, float] | None) -> str:
+    return f"{worst[1]:.3f} ({worst[0]})" if worst else "-"
 
 
 def worst(ratios: dict[str, float]) -> tuple[str, float]:

@@ -1,9 +1,10 @@
-"""conformance.helpers.write_merged_report: the GPU report writers stay whole under pytest-xdist."""
+"""conformance.helpers.write_merged_report: the GPU report writers stay whole under pytest-xdist; markdown_table,
+which their markdown tables go through."""
 
 import json
 import os
 
-from conformance.helpers import write_merged_report
+from conformance.helpers import markdown_table, write_merged_report
 
 
 def test_parts_of_several_workers_merge_into_one_report(tmp_path, monkeypatch):
@@ -48,3 +49,9 @@ def test_finish_gpu_report_stamps_versions_writes_and_prints(tmp_path, monkeypat
     assert lines == ["\nH100: 0"]  # nothing written without an output folder, the report still printed
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")  # the part's name under pytest-xdist
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["kernel.json", f"kernel.part-{worker}.json"]
+
+
+def test_markdown_table_has_one_rule_cell_per_column():
+    lines = markdown_table(("case", "ms", "ok"), [("a", "1.00", True), ("b", 2, None)])
+    assert lines == ["| case | ms | ok |", "|---|---|---|", "| a | 1.00 | True |", "| b | 2 | None |"]
+    assert markdown_table(("x",), []) == ["| x |", "|---|"]
