@@ -238,12 +238,12 @@ def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block
 def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
                              do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
                              dkdv_tiling: RangeTiling | None = None, split: int | None = None,
-                             consistent_d: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                             consistent_d: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
     split: parts of each key tile's reading rows (default dkdv_split); with more than one, each part's fp32 dk/dv
     go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic).
-    consistent_d: D = sum P dP from the dq pass instead of rowsum(dO * O) (module docstring); default: True
-    (False is FlashAttention-2's D0, kept for perf.prefill_probe's before/after timing)."""
+    consistent_d: D = sum P dP from the dq pass instead of rowsum(dO * O) (module docstring); False is
+    FlashAttention-2's D0, kept for the split test and perf.prefill_probe's before/after timing."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dq = torch.empty_like(q)
@@ -254,8 +254,6 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     if TQ == 0:
         return dq, dkey.zero_(), dval.zero_()
     delta = (do.float() * o.float()).sum(dim=-1).contiguous()  # FlashAttention-2's D0 = rowsum(dO * O)
-    if consistent_d is None:
-        consistent_d = True  # the dq kernel replaces D0 by sum P dP (module docstring)
     dot_fp32, precision = dot_settings(q.dtype)
     common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
                   INPUT_PRECISION=precision)
