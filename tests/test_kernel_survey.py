@@ -1,4 +1,4 @@
-"""perf/kernel_survey.py: the lean decode step's gate and select kernels and the prefill range kernels' launches
+"""perf/kernel_survey.py: the lean decode step's gate, score and select kernels and the prefill range kernels' launches
 compile for sm_90 without spilling beyond what was measured acceptable (no GPU needed: Triton's own ptxas and
 cuobjdump). The gate kernel of commit 09f9728 spilled 5-8 KB per thread at 16-32 compressed splits and measured
 40-56 us at batch 1 on an H100; this keeps that from coming back unseen."""
@@ -20,8 +20,8 @@ def test_lean_decode_kernels_compile_for_sm90_without_spills():
     run = subprocess.run([sys.executable, "-m", "perf.kernel_survey", "--require-no-spill"], env=env,
                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line for line in run.stdout.splitlines() if line.startswith(("gate", "select"))]
-    assert len(rows) == 6 and all(line.endswith("    0 B stack") for line in rows), run.stdout
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("gate", "score", "select"))]
+    assert len(rows) == 7 and all(line.endswith("    0 B stack") for line in rows), run.stdout
     prefill = [line for line in run.stdout.splitlines() if line.startswith("prefill")]
     assert len(prefill) == 4, run.stdout
     assert all(line.endswith("    0 B stack") for line in prefill if "dk/dv" not in line), run.stdout

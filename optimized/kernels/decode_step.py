@@ -1,6 +1,7 @@
-"""The lean decode step: one token per row in five launches (docs/decode.md, "Lean step").
+"""The lean decode step: one token per row in six launches (docs/decode.md, "Lean step").
 
-    append  -> compressed splits -> select (Eq. 8-11 lists) -> selected/window splits -> gate (split merges, Eq. 5)
+    append -> compressed splits -> scores (Eq. 8-10) -> select (Eq. 11 lists) -> selected/window splits
+           -> gate (split merges, Eq. 5)
 
 (optimized/kernels/decode_append.py, decode_step_cmp.py, decode_step_sparse.py). Positions, visibility, the window
 mask, Eq. 9's weights and Eq. 11's forced blocks are computed inside the kernels from the rows' lengths and the
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from .decode_append import append_step_tokens
 from .decode_splits import Partials, program_budget
-from .decode_step_cmp import _compressed_split_kernel, _select_kernel
+from .decode_step_cmp import _compressed_split_kernel, _score_kernel, _select_kernel
 from .decode_step_sparse import _gate_kernel, _sparse_split_kernel
 from .selected_attention_fwd import LOG2E
 from .tiling import MIN_DOT, interpreting, key_tile_rows, padded
@@ -31,10 +32,12 @@ BLOCK_N = 64  # key-tile rows of the compressed split (16 in the interpreter, so
 # pipeline stages of the compressed split: 3 measured 11.2 us against 14.8 for 2 at 64k x 1 and the same 66.9 us at
 # 64k x 16 (perf.decode_cmp_probe, H100, 2026-11-25; no launch shape there beat ~66 us at 64k x 16)
 CMP_STAGES = 3
-SCORE_BLOCK = 64  # selection blocks scored per chunk by a select program
+SCORE_BLOCK = 64  # selection blocks per score program
+SCORE_WARPS = 2  # warps of a score program
+RANK_BLOCK = 64  # selection blocks a select program ranks at once (a chunk of score_into_list)
 BLOCKS_PER_LIST = 64  # at least this many selection blocks per select program
 MAX_LISTS = 16  # select programs per row (the sparse kernel merges n * MAX_LISTS candidates)
-SELECT_WARPS = 1  # a select program is one warp (its per-head sums and top-n rounds are reductions)
+SELECT_WARPS = 1  # a select program is one warp (its ranking's comparisons are reductions)
 STEP_WARPS = 4  # warps of the other launches' programs
 GATE_TILE_DV = 32  # output columns per gate program (its split merges hold [heads, 32] tiles)
 MERGE_CHUNK = 8  # split partials a merge loads at once (unrolled)
@@ -191,18 +194,25 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
         LOGIT_SCORES=rules.logit_scores, DOT_FP32=dot_fp32, num_warps=STEP_WARPS, num_stages=CMP_STAGES,
     )
 
-    # select: each select program's list of its n best blocks
-    lists = torch.empty((rows, splits.lists, n_pad), dtype=torch.int64, device=dev)
-    _select_kernel[(rows, splits.lists)](
-        lengths, n_new, logits, cmp_parts.m, cmp_parts.l, cmp_parts.reads, lists,
-        n_cmp_slots, splits.cmp, blocks_per_list, splits.lists,
+    # Eq. 8-10: every visible selection block's score
+    scores = torch.empty((rows, n_sel_blocks), dtype=torch.float32, device=dev)
+    _score_kernel[(rows, -(-n_sel_blocks // SCORE_BLOCK))](
+        lengths, n_new, logits, cmp_parts.m, cmp_parts.l, cmp_parts.reads, scores,
+        n_cmp_slots, splits.cmp, n_sel_blocks,
         HKV=Hkv, GROUP=group, BLOCK_H=block_h,
         CMP_BLOCK=rules.cmp_block, CMP_STRIDE=rules.cmp_stride, SEL_BLOCK=rules.sel_block,
-        N_INIT=rules.n_init, N_LOCAL=rules.n_local, N_SEL=rules.n_sel, N_PAD=n_pad,
         STRICT=rules.strict_visibility, LOGIT_SCORES=rules.logit_scores, MEAN=rules.mean_reduce,
-        EQ9_FIRST=rules.eq9_first_offset, EQ9_BAND=rules.eq9_band,
-        SCORE_BLOCK=min(SCORE_BLOCK, padded(blocks_per_list)), CMP_SPLITS=triton.next_power_of_2(splits.cmp),
-        num_warps=SELECT_WARPS, num_stages=1,
+        EQ9_FIRST=rules.eq9_first_offset, EQ9_BAND=rules.eq9_band, SCORE_BLOCK=SCORE_BLOCK,
+        CMP_SPLITS=triton.next_power_of_2(splits.cmp), num_warps=SCORE_WARPS, num_stages=1,
+        enable_fp_fusion=False,  # Eq. 9's products and sums rounded one by one, as in torch
+    )
+
+    # Eq. 11: each select program's list of its n best blocks
+    lists = torch.empty((rows, splits.lists, n_pad), dtype=torch.int64, device=dev)
+    _select_kernel[(rows, splits.lists)](
+        lengths, n_new, scores, lists, n_sel_blocks, blocks_per_list, splits.lists,
+        HKV=Hkv, SEL_BLOCK=rules.sel_block, N_INIT=rules.n_init, N_LOCAL=rules.n_local, N_SEL=rules.n_sel,
+        N_PAD=n_pad, RANK_BLOCK=min(RANK_BLOCK, padded(blocks_per_list)), num_warps=SELECT_WARPS, num_stages=1,
     )
 
     # selected and window splits
@@ -233,6 +243,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
         HKV=Hkv, GROUP=group, DV=dv, BLOCK_H=block_h, BLOCK_DV=block_dv, TILE_DV=tile_dv,
         CMP_SPLITS=triton.next_power_of_2(splits.cmp), SPLITS=triton.next_power_of_2(max(splits.slc, splits.win)),
         MERGE_CHUNK=MERGE_CHUNK, num_warps=STEP_WARPS,
+        enable_fp_fusion=False,  # Eq. 5's products and sums rounded one by one, as gated_sum's
     )
     return out
 

@@ -1,18 +1,23 @@
-"""The lean decode step's compressed branch and selection (docs/decode.md, "Lean step"): two launches.
+"""The lean decode step's compressed branch and selection (docs/decode.md, "Lean step"): three launches.
 
 1. compressed split kernel: one program per (row, KV group) and split of the compressed tokens; the queries of the
    group's heads as one tile. Visibility (Eq. 7, masks.compressed_block_visible) is computed in the kernel from the
    query position and the row's emitted count, so no [B, TQ, N] mask is built. Each program writes its partial
    (max, sum, output, keys admitted) and the Eq. 8 input of every key it admitted: the base-2 scaled logits
    q.k / sqrt(d_k) * log2(e) the softmax used (selection score "probs") or the scaled logits ("logits").
-2. select kernel: one program (one warp: its reductions stay within the warp) per (row, KV group) and share of the
-   selection blocks. Every program merges the compressed splits' max and sum into each head's log-sum-exp (the gate
-   kernel merges their outputs into o_cmp). Then, for its blocks j <= J = p // l', in chunks, head by head from
-   the head's row of the Eq. 8 inputs (1-D loads: no [heads, blocks] tile to reduce per head): Eq. 8 p_cmp =
-   2^(x - lse2) over the visible compressed tokens (or the logits), Eq. 9 the banded overlap weights of
-   masks.eq9_pool_weights added in scoring.pool_eq9's term order, Eq. 10 the sum (or mean) over the group's heads
-   added in head order, and Eq. 11's ranking (optimized/kernels/top_n.py, top_n_by_rank) into the program's list of
+2. score kernel: one program per (row, KV group) and chunk of SCORE_BLOCK selection blocks j <= J = p // l'. It
+   merges the compressed splits' max and sum into each head's log-sum-exp (the gate kernel merges their outputs
+   into o_cmp), then head by head from the head's row of the Eq. 8 inputs (1-D loads: no [heads, blocks] tile to
+   reduce per head): Eq. 8 p_cmp = 2^(x - lse2) over the visible compressed tokens (or the logits), Eq. 9 the
+   banded overlap weights of masks.eq9_pool_weights added in scoring.pool_eq9's term order, Eq. 10 the sum (or
+   mean) over the group's heads added in head order; the block scores go to memory (fp32 [rows, blocks]).
+3. select kernel: one program (one warp: its reductions stay within the warp) per (row, KV group) and share of the
+   blocks ranks their scores with Eq. 11 (optimized/kernels/top_n.py, score_into_list) into the program's list of
    its n best blocks. The sparse kernel merges the lists.
+Scoring and ranking were one kernel of one-warp programs (255 registers, most for Eq. 11's [64, 80] int64 rank
+comparisons), whose scoring loads were latency-bound: 30.1 us at 64k x 16 for 17 MB of logits. As two launches,
+the score kernel at 2 warps and 32 registers and the select kernel's bitonic top-k take 8.8 + 3.8 us (H100, same
+call; perf/NOTES.md, "Lean decode step").
 """
 
 from __future__ import annotations
@@ -123,34 +128,48 @@ def _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, 
 
 
 @triton.jit
-def _select_kernel(
-    LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, LISTS,
-    n_slots, n_cmp_split, blocks_per_list, n_lists,
+def _score_kernel(
+    LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, SCORES,
+    n_slots, n_cmp_split, n_blocks,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
     STRICT: tl.constexpr, LOGIT_SCORES: tl.constexpr, MEAN: tl.constexpr,
     EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, SCORE_BLOCK: tl.constexpr, CMP_SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // HKV
     p, held = step_position(LENGTHS, N_NEW, b)
-
-    m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, BLOCK_H, CMP_SPLITS)
-    lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))  # each head's base-2 log-sum-exp over its visible tokens
-
-    n_visible = tl.minimum(visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, STRICT), n_slots)  # Eq. 7
-    logits = LOGITS + row * GROUP * n_slots
     J = tl.where(p >= 0, p // SEL_BLOCK, -1)  # Eq. 12: blocks 0..J exist (p = -1: none)
-    first = tl.program_id(1) * blocks_per_list
-    stop = tl.minimum(first + blocks_per_list, J + 1).to(tl.int32)
-    best = tl.full([N_PAD], EMPTY, dtype=tl.int64)
-    for start in range(first, stop, SCORE_BLOCK):
-        j = start + tl.arange(0, SCORE_BLOCK)
-        ok = j < stop
-        total = _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP, BLOCK_H, SCORE_BLOCK, EQ9_FIRST,
-                              EQ9_BAND, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
+    first = tl.program_id(1) * SCORE_BLOCK
+    if first <= J:  # blocks after J are never ranked, so their scores are not written
+        m_i, l_i, _ = merge_stats(M_PART, L_PART, R_PART, row * n_cmp_split, n_cmp_split, BLOCK_H, CMP_SPLITS)
+        lse2 = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))  # each head's base-2 log-sum-exp over its visible tokens
+        n_visible = tl.minimum(visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, STRICT), n_slots)  # Eq. 7
+        j = first + tl.arange(0, SCORE_BLOCK)
+        ok = j <= J
+        total = _chunk_scores(LOGITS + row * GROUP * n_slots, j, ok, lse2, n_visible, n_slots, GROUP, BLOCK_H,
+                              SCORE_BLOCK, EQ9_FIRST, EQ9_BAND, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
         if MEAN:
             total = total / GROUP
-        best = score_into_list(best, total, j, ok, J, N_INIT, N_LOCAL, N_SEL, N_PAD)  # Eq. 11
+        tl.store(SCORES + row * n_blocks + j, total, mask=ok & (j < n_blocks))
+
+
+@triton.jit
+def _select_kernel(
+    LENGTHS, N_NEW, SCORES, LISTS, n_blocks, blocks_per_list, n_lists,
+    HKV: tl.constexpr, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
+    N_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HKV
+    p, _ = step_position(LENGTHS, N_NEW, b)
+    J = tl.where(p >= 0, p // SEL_BLOCK, -1)
+    first = tl.program_id(1) * blocks_per_list
+    stop = tl.minimum(tl.minimum(first + blocks_per_list, J + 1), n_blocks).to(tl.int32)
+    best = tl.full([N_PAD], EMPTY, dtype=tl.int64)
+    for start in range(first, stop, RANK_BLOCK):
+        j = start + tl.arange(0, RANK_BLOCK)
+        ok = j < stop
+        score = tl.load(SCORES + row * n_blocks + j, mask=ok, other=0.0)
+        best = score_into_list(best, score, j, ok, J, N_INIT, N_LOCAL, N_SEL, N_PAD)  # Eq. 11
     tl.store(LISTS + (row * n_lists + tl.program_id(1)) * N_PAD + tl.arange(0, N_PAD), best)

@@ -5,11 +5,12 @@ padded with -1.
 
 Each candidate block becomes one int64 rank key, as in masks.ranked_blocks: the float32 bits of its score in an
 order-preserving integer form (forced blocks: +inf) in the high 32 bits, the reversed block index in the low 32
-bits. Every key is distinct, and the largest key is the highest score with the lowest index among equals, so one
-max reduction per round picks the next block (take_top_n; top_n_by_rank gets the same result from every key's rank
-at once, for the small chunks a select program scores). A program keeps the n best keys of the blocks it scored
-(a "list", best first, EMPTY padded); the n best of the union of several lists are the n best overall, so a row's
-blocks may be scored by several programs and their lists merged later (decode_step's select and sparse kernels).
+bits. Every key is distinct, and the largest key is the highest score with the lowest index among equals, so the
+n largest keys are Eq. 11's choice: top_n_by_sort takes them with bitonic top-k selections (tl.topk), and
+top_n_by_rank (for chunks narrower than a list) from every key's rank. A program keeps the n best keys of the
+blocks it scored (a "list", best first, EMPTY padded); the n best of the union of several lists are the n best
+overall, so a row's blocks may be scored by several programs and their lists merged later (decode_step's select and
+sparse kernels: merged_blocks).
 
 top_n_blocks_triton runs these helpers on given scores (two launches: lists, then the merge), so the tie rule is
 tested on crafted scores against masks.top_n_blocks (tests/test_kernel_decode.py).
@@ -46,19 +47,6 @@ def rank_key(score, block, J, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
 
 
 @triton.jit
-def take_top_n(cand, best, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-    """The N_SEL largest rank keys of cand [C] and best [N_PAD] together, best first, EMPTY padded [N_PAD]."""
-    offs = tl.arange(0, N_PAD)
-    out = tl.full([N_PAD], EMPTY, dtype=tl.int64)
-    for r in range(N_SEL):
-        top = tl.maximum(tl.max(cand, 0), tl.max(best, 0))
-        out = tl.where(offs == r, top, out)
-        cand = tl.where(cand == top, EMPTY, cand)  # keys are distinct: this removes exactly the chosen block
-        best = tl.where(best == top, EMPTY, best)
-    return out
-
-
-@triton.jit
 def _larger_count(keys, others):
     """For each of keys [A]: how many of others [B] are larger (int32 [A]); one comparison matrix, one reduction."""
     return tl.sum((others[None, :] > keys[:, None]).to(tl.int32), 1)
@@ -72,11 +60,12 @@ def _placed(keys, rank, slot):
 
 @triton.jit
 def top_n_by_rank(cand, best, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-    """take_top_n's result, from every key's rank (the number of larger keys among cand and best) counted at once
-    instead of N_SEL rounds of arg-max: the key of rank r goes to slot r < N_SEL. Keys are distinct but for EMPTY,
-    whose entries all share the rank of the number of real keys, so a slot they land in stays EMPTY. For a chunk of
-    C candidates this is [C, C + N_PAD] comparisons: meant for the select kernel's 64-block chunks, not the merge of
-    whole lists."""
+    """The N_SEL largest keys of cand [C] and best [N_PAD] together, best first, EMPTY padded [N_PAD], from every
+    key's rank (the number of larger keys among cand and best): the key of rank r goes to slot r < N_SEL. Keys are
+    distinct but for EMPTY, whose entries all share the rank of the number of real keys, so a slot they land in
+    stays EMPTY. For a chunk of C candidates this is [C, C + N_PAD] comparisons; score_into_list takes it only for
+    chunks narrower than N_PAD (top_n_by_sort needs at least N_PAD keys). On an H100 the select launch (64-key
+    chunks) took 16.1 us this way at 64k x 16 against 3.8 by top_n_by_sort (perf.decode_profile, perf/NOTES.md)."""
     rank_cand = _larger_count(cand, cand) + _larger_count(cand, best)
     rank_best = _larger_count(best, cand) + _larger_count(best, best)
     slot = tl.arange(0, N_PAD)
@@ -85,11 +74,26 @@ def top_n_by_rank(cand, best, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
 
 
 @triton.jit
+def top_n_by_sort(cand, best, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+    """top_n_by_rank's result from two bitonic top-k selections (tl.topk, largest first): the N_PAD best of cand (a
+    power of two >= N_PAD keys), then the N_PAD best of those and best. Keys are distinct but for EMPTY, the
+    smallest key, so the real keys come first and EMPTY pads the rest; slots >= N_SEL are EMPTY."""
+    top = tl.topk(cand, N_PAD)
+    merged = tl.topk(tl.reshape(tl.join(top, best), [2 * N_PAD]), N_PAD)
+    return tl.where(tl.arange(0, N_PAD) < N_SEL, merged, EMPTY)
+
+
+@triton.jit
 def score_into_list(best, score, block, ok, J, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
                     N_PAD: tl.constexpr):
-    """A program's list updated with a chunk of scored blocks (ok: the lanes that are blocks <= J)."""
+    """A program's list updated with a chunk of scored blocks (ok: the lanes that are blocks <= J): by bitonic
+    top-k when the chunk holds at least N_PAD lanes, else by rank."""
     cand = tl.where(ok, rank_key(score, block, J, N_INIT, N_LOCAL), EMPTY)
-    return top_n_by_rank(cand, best, N_SEL, N_PAD)
+    if cand.shape[0] >= N_PAD:
+        out = top_n_by_sort(cand, best, N_SEL, N_PAD)
+    else:
+        out = top_n_by_rank(cand, best, N_SEL, N_PAD)
+    return out
 
 
 @triton.jit
@@ -98,15 +102,12 @@ def merged_blocks(LISTS, row, n_lists, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
     ascending, -1 padded (int64 [N_PAD]; slots >= N_SEL are -1)."""
     offs = tl.arange(0, LISTS_PAD * N_PAD)
     cand = tl.load(LISTS + row * n_lists * N_PAD + offs, mask=offs // N_PAD < n_lists, other=EMPTY)
-    best = take_top_n(cand, tl.full([N_PAD], EMPTY, dtype=tl.int64), N_SEL, N_PAD)
-    valid = best != EMPTY
-    blocks = tl.where(valid, REVERSED - (best & 0xFFFFFFFF), -1)
-    # ascending order: a chosen block's output slot is the number of chosen blocks below it
-    rank = tl.sum(((blocks[None, :] < blocks[:, None]) & valid[None, :]).to(tl.int32), 1)
     slot = tl.arange(0, N_PAD)
-    placed = (rank[None, :] == slot[:, None]) & valid[None, :]
-    ordered = tl.sum(tl.where(placed, blocks[None, :], 0), 1)
-    return tl.where(slot < tl.sum(valid.to(tl.int32), 0), ordered, -1)
+    best = tl.where(slot < N_SEL, tl.topk(cand, N_PAD), EMPTY)  # bitonic top-k: the N_SEL largest keys
+    valid = best != EMPTY
+    # ascending block order, the empty slots (sorted as the largest int64) last
+    blocks = tl.sort(tl.where(valid, REVERSED - (best & 0xFFFFFFFF), 9223372036854775807))
+    return tl.where(slot < tl.sum(valid.to(tl.int32), 0), blocks, -1)
 
 
 @triton.jit
