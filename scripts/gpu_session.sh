@@ -26,8 +26,8 @@
 #                                                  at 64k) and perf.layer_profile (kernel by kernel, 8k and 64k forward,
 #                                                  64k forward + backward)
 #   bash scripts/gpu_session.sh decode [seconds]   the decode GPU tests (tests/test_decode_gpu.py: lean step at the
-#                                                  paper layout, graphs, Table 4 reads at 64k), the select and
-#                                                  compressed-split kernel probes, the per-kernel decode profile with
+#                                                  paper layout, graphs, Table 4 reads at 64k), the selection
+#                                                  probe, the per-kernel decode profile with
 #                                                  split variants, then the decode-step benchmark
 #                                                  (8k-128k x batch 1, 16) with the time left
 #
@@ -186,15 +186,14 @@ case "$MODE" in
       -p no:cacheprovider -m gpu tests/test_decode_gpu.py > "$STAGE/decode_gpu_tests.log" 2>&1
     echo "exit $?" >> "$STAGE/decode_gpu_tests.log"
     pack
-    # the select kernel alone, parts of its work removed (120 s ran out on its compiles at 749d3cb); where the
-    # step goes per kernel, and the step under other split counts (the policy's neighbours)
+    # the selection's launches alone against the previous single kernel (120 s ran out on its compiles at
+    # 749d3cb; perf.decode_cmp_probe, the compressed split's launch shapes, runs by hand); where the step goes per
+    # kernel, and the step under other split counts (the policy's neighbours)
     OUT=$STAGE timeout -k 15 240 python3 -m perf.decode_select_probe > "$STAGE/decode_select_probe.log" 2>&1
     echo "exit $?" >> "$STAGE/decode_select_probe.log"
-    OUT=$STAGE timeout -k 15 240 python3 -m perf.decode_cmp_probe > "$STAGE/decode_cmp_probe.log" 2>&1
-    echo "exit $?" >> "$STAGE/decode_cmp_probe.log"
     pack
     OUT=$STAGE timeout -k 15 $(( $(left) / 3 )) python3 -m perf.decode_profile --cases 8192x1,65536x1,65536x16,131072x16 \
-      --variants "lists=4,lists=8,cmp=8,cmp=8;lists=8,slc=4;win=2" > "$STAGE/decode_profile.log" 2>&1
+      --variants "lists=8,cmp=8,slc=4;win=2" > "$STAGE/decode_profile.log" 2>&1
     echo "exit $?" >> "$STAGE/decode_profile.log"
     pack
     OUT=$STAGE timeout -k 15 $(( $(left) - 10 )) python3 -m perf.decode_bench --budget-s $(( $(left) - 100 )) \
