@@ -7,9 +7,12 @@ the output dtype: bitwise what the torch expression
 
 gives, without its widened copies and temporaries (about 9x less memory traffic at half precision).
 
-gated_sum_kernel is differentiable in the gates and the three branch outputs; its backward is that expression's
-autograd arithmetic written out in torch (d o_c = g_c * do, d g_c = sum over d_v of do * o_c, in the compute
-dtype, rounded to each input's dtype), so the gradients are those of the torch expression.
+gated_sum_kernel is differentiable in the gates and the three branch outputs; its backward is one more pass
+(_gated_sum_bwd_kernel) with that expression's autograd arithmetic: d o_c = g_c * do in the compute dtype rounded
+to o_c's dtype (bitwise the expression's gradient), d g_c = the sum over d_v of do * o_c in the compute dtype
+rounded to the gates' dtype (the expression's gradient up to the order of that sum: a row reduction in the kernel,
+torch's reduction kernel there). In torch this backward widened do and each o_c to fp32 copies and reduced their
+products: at 64k tokens with 64 heads ~60 GB of traffic and ~20 ms on an H100 (perf.layer_profile, e8af9a0).
 """
 
 from __future__ import annotations
@@ -56,6 +59,44 @@ def _gated_sum_kernel(
     tl.store(OUT + rows[:, None] * stride_out + cols[None, :], o.to(OUT.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _branch_grads(G, O, D_O, DG, rows, cols, row_ok, mask, do, stride_g, stride_o, stride_d_o, stride_dg,
+                  WIDE: tl.constexpr, GRAD_OUTS: tl.constexpr, GRAD_GATES: tl.constexpr):
+    """One branch c of Eq. 5's backward (G, DG: its gate column): d o_c = g_c * do, d g_c = sum_dv do * o_c."""
+    g = tl.load(G + rows * stride_g, mask=row_ok, other=0.0)
+    g = g.to(tl.float64) if WIDE else g.to(tl.float32)
+    if GRAD_OUTS:
+        tl.store(D_O + rows[:, None] * stride_d_o + cols[None, :], (do * g[:, None]).to(D_O.dtype.element_ty),
+                 mask=mask)
+    if GRAD_GATES:
+        o = tl.load(O + rows[:, None] * stride_o + cols[None, :], mask=mask, other=0.0)
+        o = o.to(tl.float64) if WIDE else o.to(tl.float32)
+        tl.store(DG + rows * stride_dg, tl.sum(do * o, 1).to(DG.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gated_sum_bwd_kernel(
+    G, DO, O_CMP, O_SLC, O_WIN, D_CMP, D_SLC, D_WIN, DG,
+    stride_g, stride_gc, stride_do, stride_cmp, stride_slc, stride_win, stride_dcmp, stride_dslc, stride_dwin,
+    stride_dg, stride_dgc,
+    n_rows, dv,
+    WIDE: tl.constexpr, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr, GRAD_OUTS: tl.constexpr,
+    GRAD_GATES: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_DV)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < dv)
+    do = tl.load(DO + rows[:, None] * stride_do + cols[None, :], mask=mask, other=0.0)
+    do = do.to(tl.float64) if WIDE else do.to(tl.float32)
+    _branch_grads(G, O_CMP, D_CMP, DG, rows, cols, row_ok, mask, do, stride_g, stride_cmp, stride_dcmp, stride_dg,
+                  WIDE, GRAD_OUTS, GRAD_GATES)
+    _branch_grads(G + stride_gc, O_SLC, D_SLC, DG + stride_dgc, rows, cols, row_ok, mask, do, stride_g, stride_slc,
+                  stride_dslc, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES)
+    _branch_grads(G + 2 * stride_gc, O_WIN, D_WIN, DG + 2 * stride_dgc, rows, cols, row_ok, mask, do, stride_g,
+                  stride_win, stride_dwin, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES)
+
+
 def _rows(x: Tensor) -> Tensor:
     """x [..., n] as a [rows, n] view with a contiguous last dim (a copy only when no such view exists)."""
     x = x.reshape(-1, x.shape[-1])
@@ -71,8 +112,7 @@ def gated_sum_forward(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor
     n_rows = c.shape[0]
     if n_rows * dv == 0:
         return out
-    block_dv = triton.next_power_of_2(dv)
-    rows = max(1, ELEMENTS_PER_PROGRAM // block_dv)
+    block_dv, rows = _launch_shape(dv)
     _gated_sum_kernel[(triton.cdiv(n_rows, rows),)](
         g, c, s, w, o,
         g.stride(0), g.stride(1), c.stride(0), s.stride(0), w.stride(0), o.stride(0),
@@ -83,8 +123,40 @@ def gated_sum_forward(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor
     return out
 
 
+def _launch_shape(dv: int) -> tuple[int, int]:
+    """(BLOCK_DV, rows per program) of both Eq. 5 kernels."""
+    block_dv = triton.next_power_of_2(dv)
+    return block_dv, max(1, ELEMENTS_PER_PROGRAM // block_dv)
+
+
+def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, compute: torch.dtype,
+                       grad_outs: bool, grad_gates: bool) -> tuple[Tensor | None, ...]:
+    """Eq. 5's gradients (module docstring): (d gates [..., 3] in the gates' dtype, d o_cmp, d o_slc, d o_win in
+    each output's dtype); None for the ones not asked for."""
+    dv = o_cmp.shape[-1]
+    d_outs = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if grad_outs else None
+              for o in (o_cmp, o_slc, o_win)]
+    d_gates = torch.empty(gates.shape, dtype=gates.dtype, device=gates.device) if grad_gates else None
+    g, d, c, s, w = (_rows(x) for x in (gates, do, o_cmp, o_slc, o_win))
+    dc, ds, dw = (_rows(x) if x is not None else c for x in d_outs)  # unused pointers: any tensor
+    dg = _rows(d_gates) if d_gates is not None else g
+    n_rows = c.shape[0]
+    if n_rows * dv == 0:
+        return d_gates, *d_outs
+    block_dv, rows = _launch_shape(dv)
+    _gated_sum_bwd_kernel[(triton.cdiv(n_rows, rows),)](
+        g, d, c, s, w, dc, ds, dw, dg,
+        g.stride(0), g.stride(1), d.stride(0), c.stride(0), s.stride(0), w.stride(0), dc.stride(0), ds.stride(0),
+        dw.stride(0), dg.stride(0), dg.stride(1),
+        n_rows, dv,
+        WIDE=compute == torch.float64, ROWS=rows, BLOCK_DV=block_dv, GRAD_OUTS=grad_outs, GRAD_GATES=grad_gates,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return d_gates, *d_outs
+
+
 class GatedSumFunction(torch.autograd.Function):
-    """Eq. 5 on the kernel (forward) with the torch expression's gradients (backward)."""
+    """Eq. 5 on the kernel (forward) and its gradients on the backward kernel."""
 
     @staticmethod
     def forward(ctx, gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, compute: torch.dtype,
@@ -95,16 +167,12 @@ class GatedSumFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        gates, *outs = ctx.saved_tensors
-        do = do.to(ctx.compute)
-        wide_gates = gates.to(ctx.compute)
-        grads = [(do * wide_gates[..., i:i + 1]).to(o.dtype) if ctx.needs_input_grad[1 + i] else None
-                 for i, o in enumerate(outs)]
-        d_gates = None
-        if ctx.needs_input_grad[0]:
-            d_gates = torch.cat([(do * o.to(ctx.compute)).sum(-1, keepdim=True) for o in outs], dim=-1)
-            d_gates = d_gates.to(gates.dtype)
-        return d_gates, *grads, None, None
+        gates, o_cmp, o_slc, o_win = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        d_gates, *d_outs = gated_sum_backward(do, gates, o_cmp, o_slc, o_win, ctx.compute,
+                                              grad_outs=any(needs[1:4]), grad_gates=needs[0])
+        d_outs = [d if need else None for d, need in zip(d_outs, needs[1:4])]
+        return d_gates, *d_outs, None, None
 
 
 def gated_sum_kernel(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, *, compute: torch.dtype,
