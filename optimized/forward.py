@@ -106,8 +106,10 @@ def _nsa_forward_rows_on_kernels(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NS
         indices = selection_indices(q, k_cmp, cfg, positions=positions, n_keys=kv.win.k.shape[1],
                                     chunk_size=chunk_size, docs=docs, range_backend="triton",
                                     cmp_softmax=cmp_softmax)
+    # o_slc stays in the kernel's dtype (Eq. 5's kernel widens it; an fp32 copy would add ~3 GB of traffic at 64k)
     o_slc, reads_slc = selected_attention_rows(q, kv.slc.k, kv.slc.v, indices, cfg, positions, backend=backend,
-                                               chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype, docs=docs)
+                                               chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype,
+                                               widen_kernel_output=False, docs=docs)
     o_win, reads_win = window_attention_kernel_rows(q, kv.win.k, kv.win.v, cfg, positions, docs)
     o = gated_sum_kernel(gates, o_cmp, o_slc, o_win, compute=cd, dtype=q.dtype)  # Eq. 5 in one pass
     return NSAOutput(o=o, indices=indices, o_cmp=o_cmp, o_slc=o_slc.to(q.dtype), o_win=o_win,

@@ -107,12 +107,14 @@ def _use_triton(backend: str, q: Tensor, k: Tensor, v: Tensor, positions: Tensor
 def selected_attention_rows(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig, positions: Tensor,
                             *, backend: str = "auto", chunk_size: int | None = None,
                             compute: torch.dtype | None = None, kernel_dtype: torch.dtype | None = None,
+                            widen_kernel_output: bool = True,
                             docs: Documents | None = None) -> tuple[Tensor, Tensor]:
     """Selected branch for queries q [B, TQ, Hq, dk] at absolute positions [TQ] over keys k [B, TK, Hkv, dk]:
     (o_slc [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv] = valid tokens of the gathered blocks).
     compute: see masked_attention; kernel_dtype: the dtype the Triton kernel reads (default q.dtype; nsa_forward
-    passes widened inputs and the caller's dtype). docs: the layout of a packed batch (indices are
-    document-relative blocks), None for independent rows."""
+    passes widened inputs and the caller's dtype); widen_kernel_output=False returns the Triton kernel's output in
+    kernel_dtype (its values, without an fp32 copy; the torch path still returns the compute dtype). docs: the
+    layout of a packed batch (indices are document-relative blocks), None for independent rows."""
     B, TQ, Hq, _ = q.shape
     kernel_dtype = kernel_dtype or q.dtype
     compute = compute or compute_dtype(q.dtype)
@@ -122,8 +124,8 @@ def selected_attention_rows(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cf
 
         kernel_starts = None if doc_start is None else doc_start.to(torch.int32)
         o = triton_selected_attention(q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype), indices,
-                                      cfg.sel_block, doc_start=kernel_starts).to(compute)
-        return o, selected_reads(indices, positions, cfg, doc_start)
+                                      cfg.sel_block, doc_start=kernel_starts)
+        return o.to(compute) if widen_kernel_output else o, selected_reads(indices, positions, cfg, doc_start)
     n_tokens = indices.shape[-1] * cfg.sel_block
     if chunk_size is None:
         per_query = B * n_tokens * (cfg.n_kv_heads * (k.shape[-1] + v.shape[-1] + 4) + Hq)
