@@ -1,6 +1,7 @@
 """Backward Triton kernels of range attention (range_attention_fwd.py), FlashAttention-2 style, deterministic.
 
-With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D), the probabilities are rebuilt as
+With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D, summed by the dq kernel from its
+own dO and O tiles), the probabilities are rebuilt as
 P = 2^(s * scale * log2(e) - lse2) inside each row's range (exactly 0 outside it, so an empty row sends nothing
 back), dP = dO V^T, dS = P * (dP - delta), and
 - dq: one program per (query tile, head) walks the key tiles of its rows' ranges (as the forward): dq = dS K;
@@ -39,11 +40,12 @@ from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, sma
 
 @triton.jit
 def _range_attention_dq_kernel(
-    Q, K, V, LO, HI, DO, LSE2, DELTA, DQ,
+    Q, K, V, LO, HI, DO, O, LSE2, DELTA, DQ,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
+    stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
     stride_dqb, stride_dqt, stride_dqh,
     n_queries, n_keys, scale_log2, scale,
@@ -71,8 +73,10 @@ def _range_attention_dq_kernel(
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
     do = tl.load(DO + b * stride_dob + offs_m[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
                  mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
+    o = tl.load(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+                mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
     lse2 = tl.load(LSE2 + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
-    delta = tl.load(DELTA + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # FlashAttention-2's D0 = rowsum(dO * O)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -116,6 +120,8 @@ def _range_attention_dq_kernel(
         d_row = delta * sum_p + shift  # = sum_s P_s dP_s with this kernel's P and dP
         dq = dq - (d_row - delta)[:, None] * pk
         tl.store(DELTA + b * stride_lb + offs_m * stride_lt + h, d_row, mask=row_mask)
+    else:
+        tl.store(DELTA + b * stride_lb + offs_m * stride_lt + h, delta, mask=row_mask)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_mask[:, None] & dk_mask[None, :])
@@ -253,7 +259,9 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         return dq.zero_(), dkey, dval
     if TQ == 0:
         return dq, dkey.zero_(), dval.zero_()
-    delta = (do.float() * o.float()).sum(dim=-1).contiguous()  # FlashAttention-2's D0 = rowsum(dO * O)
+    # D for the dk/dv kernel: written by the dq kernel, which computes D0 = rowsum(dO * O) from its own dO and O
+    # tiles (in torch, the fp32 copies of dO and O cost ~12 GB of traffic per branch at 64k)
+    delta = torch.empty(lse2.shape, device=q.device, dtype=torch.float32)
     dot_fp32, precision = dot_settings(q.dtype)
     common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
                   INPUT_PRECISION=precision)
@@ -263,7 +271,8 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
 
     def launch_dq(t: RangeTiling) -> None:
         _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m), Hq, B)](
-            q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            q, k, v, lo, hi, do, o, lse2, delta, dq, *strides[:12], o.stride(0), o.stride(1), o.stride(2),
+            *strides[12:], dq.stride(0), dq.stride(1), dq.stride(2),
             TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CONSISTENT_D=consistent_d,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
 
