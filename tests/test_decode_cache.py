@@ -352,18 +352,26 @@ def test_lean_step_equals_seam_path_on_small_configs(case):
     lean_run(cfg, x, [prompt, max(0, prompt - 3)], steps)
 
 
-def test_lean_step_with_several_splits(monkeypatch):
-    """Several compressed splits (two key tiles of 16 in the interpreter), select lists, selected splits and window
-    splits (a 20-slot window: two key tiles) give the same step; the gate kernel's merges take the splits two at a
-    time and its programs 16 output columns each (d_v = 40, padded to 64: four programs per row)."""
+@pytest.mark.parametrize("rank_block, lists", [(64, 3), (4, 1)])
+def test_lean_step_with_several_splits(rank_block, lists, monkeypatch):
+    """Several compressed splits (two key tiles of 16 in the interpreter), score programs (2 blocks each, those past
+    a row's last block skipped), select lists, selected splits and window splits (a 20-slot window: two key tiles)
+    give the same step; the gate kernel's merges take the splits two at a time and its programs 16 output columns
+    each (d_v = 40, padded to 64: four programs per row). rank_block 4 (narrower than a list's 16 slots) takes
+    score_into_list's top_n_by_rank path instead of the bitonic top-k, with one list per row ranked in chunks of 4
+    (up to 7 blocks for n = 5, so the ranking decides)."""
     from optimized.kernels import decode_step
 
-    monkeypatch.setattr(decode_step, "step_splits", lambda *args: decode_step.StepSplits(cmp=3, lists=3, slc=3, win=2))
+    monkeypatch.setattr(decode_step, "step_splits", lambda *args: decode_step.StepSplits(cmp=3, lists=lists, slc=3, win=2))
     monkeypatch.setattr(decode_step, "MERGE_CHUNK", 2)
     monkeypatch.setattr(decode_step, "GATE_TILE_DV", 16)
-    cfg = SMALL.replace(window=20, n_sel=5, head_dim_v=40)  # 3 selected splits of 2, 2, 1 blocks
-    x = make_inputs(cfg, 52, B=2, seed=5, dtype=torch.float32)
-    lean_run(cfg, x, [45, 38], STEPS[:6])
+    monkeypatch.setattr(decode_step, "SCORE_BLOCK", 2)
+    monkeypatch.setattr(decode_step, "RANK_BLOCK", rank_block)
+    cfg = SMALL.replace(window=20, n_sel=5, head_dim_v=40, n_local=0)  # 3 selected splits of 2, 2, 1 blocks
+    x = make_inputs(cfg, 52, B=3, seed=5, dtype=torch.float32)
+    # the rows' last blocks J run 5..6, 4..5 and 2..3: score programs of 2 blocks start at J (block J's score counts
+    # only when it beats others: n_local = 0 here) or past it (they skip)
+    lean_run(cfg, x, [45, 38, 20], [[*step, 1] for step in STEPS[:6]])
 
 
 def test_lean_step_ties_like_top_n_blocks():
