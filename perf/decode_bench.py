@@ -4,8 +4,8 @@ For each context s and batch B: an NSADecodeCache (bf16, 64 query heads in 4 KV 
 l, d, l', n, w, phi = MLP) is filled with s - 1 random tokens; one decode step then appends token s - 1 (Table 4's
 step at context s) and the next ones. Both sides run as CUDA graphs and are timed with CUDA events around each
 replay, after an L2 flush, median over the timed steps:
-- NSA: DecodeGraph replays of cache.step: on the kernel path the lean step (docs/decode.md): five Triton launches
-  (append to the three branch caches, compressed splits, combine + Eq. 8-11 selection, selected + window splits,
+- NSA: DecodeGraph replays of cache.step: on the kernel path the lean step (docs/decode.md): six Triton launches
+  (append to the three branch caches, compressed splits, Eq. 8-10 scores, Eq. 11 lists, selected + window splits,
   gates), plus the Eq. 7 emission in torch on the steps that complete a compressed block;
 - SDPA: the new key/value written into the same selection-branch history, then
   F.scaled_dot_product_attention over its first s keys; the faster of two GQA forms (the 16 query heads of a KV
@@ -287,7 +287,7 @@ def markdown(cases: list[Case], env: dict, cfg: NSAConfig) -> str:
         f"{env['dtype']}, {cfg.n_heads} query heads in {cfg.n_kv_heads} KV groups, d_k = {cfg.head_dim_qk}, "
         f"d_v = {cfg.head_dim_v}; l = {cfg.cmp_block}, d = {cfg.cmp_stride}, l' = {cfg.sel_block}, n = {cfg.n_sel}, "
         f"w = {cfg.window}, phi = {cfg.phi}. {env['timing']}, median of {env['steps']} steps after {env['warmup']} "
-        f"warm-up steps; torch.compile of the NSA torch stages: {env['compile']}; lean step (five launches): "
+        f"warm-up steps; torch.compile of the NSA torch stages: {env['compile']}; lean step (docs/decode.md): "
         f"{', '.join(sorted({'yes' if c.lean else 'no' for c in cases if c.timed_steps})) or '-'}.",
         "",
         "| context | batch | NSA step (us) | NSA mean (us) | SDPA (us) | measured speedup | counted reads "

@@ -46,7 +46,7 @@ class NSADecodeCache:
     one token per row; extend(...) appends a chunk of TQ tokens per row (its queries are the last TQ positions).
     Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
     each branch gathered. backend: "torch" (any device), "triton" (the decode kernels; CPU needs
-    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). Steps on the kernel path run the lean step (five Triton
+    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). Steps on the kernel path run the lean step (six Triton
     launches, optimized/decode/lean.py) while every convention seam is the original. compile_stages=True runs the
     torch stages of a call (planning, the Eq. 8-11 seams, the gates; the lean step's Eq. 7 emission) through
     torch.compile (one compilation per shape; eager calls then scan up to the next power of two of the longest row,
