@@ -20,7 +20,7 @@ from conformance.parity import low_precision_example
 from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention
-from optimized.kernels.range_attention_bwd import range_attention_backward, reading_rows
+from optimized.kernels.range_attention_bwd import range_attention_backward, range_attention_delta, reading_rows
 from optimized.kernels.range_attention_fwd import range_attention_forward
 from optimized.ranges import compressed_ranges, range_reads, window_ranges
 from reference.config import NSAConfig
@@ -169,6 +169,20 @@ def test_backward_is_bitwise_deterministic() -> None:
                                      do, 0.3) for _ in range(2)]
     for label, a, b in zip(("dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), f"{label} differs between two identical runs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_delta_is_the_row_sum_of_do_times_o(dtype) -> None:
+    """D0 = rowsum(dO * O) in fp32 (the backward's D in FlashAttention-2 form, kept for consistent_d=False and the
+    consistent D's start) against an fp64 sum of the same values: [B, TQ, Hq, dv] with dv = 40 (padded lanes), rows
+    not a multiple of a program's, and o a strided view."""
+    g = torch.Generator().manual_seed(11)
+    do = (torch.randn((2, 37, 3, 40), generator=g) * 3).to(DEVICE, dtype)
+    o = (torch.randn((2, 3, 37, 40), generator=g) * 3).to(DEVICE, dtype).transpose(1, 2)
+    got = range_attention_delta(do, o)
+    want = (do.double() * o.double()).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (2, 37, 3) and got.is_contiguous()
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 def test_decode_rows_and_strided_inputs() -> None:

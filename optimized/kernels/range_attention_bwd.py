@@ -1,7 +1,7 @@
 """Backward Triton kernels of range attention (range_attention_fwd.py), FlashAttention-2 style, deterministic.
 
-With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D, summed by the dq kernel from its
-own dO and O tiles), the probabilities are rebuilt as
+With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D, one pass over dO and O:
+range_attention_delta), the probabilities are rebuilt as
 P = 2^(s * scale * log2(e) - lse2) inside each row's range (exactly 0 outside it, so an empty row sends nothing
 back), dP = dO V^T, dS = P * (dP - delta), and
 - dq: one program per (query tile, head) walks the key tiles of its rows' ranges (as the forward): dq = dS K;
@@ -37,15 +37,16 @@ from .selected_attention_bwd import _compensated_add
 from .selected_attention_fwd import LOG2E, dot_settings
 from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
 
+DELTA_ELEMENTS_PER_PROGRAM = 2048  # (row, d_v) elements of one D0 program: 16 per thread with 4 warps
+
 
 @triton.jit
 def _range_attention_dq_kernel(
-    Q, K, V, LO, HI, DO, O, LSE2, DELTA, DQ,
+    Q, K, V, LO, HI, DO, LSE2, DELTA, DQ,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
-    stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
     stride_dqb, stride_dqt, stride_dqh,
     n_queries, n_keys, scale_log2, scale,
@@ -73,10 +74,8 @@ def _range_attention_dq_kernel(
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
     do = tl.load(DO + b * stride_dob + offs_m[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
                  mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
-    o = tl.load(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
-                mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
     lse2 = tl.load(LSE2 + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # FlashAttention-2's D0 = rowsum(dO * O)
+    delta = tl.load(DELTA + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -120,8 +119,6 @@ def _range_attention_dq_kernel(
         d_row = delta * sum_p + shift  # = sum_s P_s dP_s with this kernel's P and dP
         dq = dq - (d_row - delta)[:, None] * pk
         tl.store(DELTA + b * stride_lb + offs_m * stride_lt + h, d_row, mask=row_mask)
-    else:
-        tl.store(DELTA + b * stride_lb + offs_m * stride_lt + h, delta, mask=row_mask)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_mask[:, None] & dk_mask[None, :])
@@ -241,6 +238,37 @@ def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block
     return max(1, min(MAX_DKDV_SPLIT, -(-DKDV_PROGRAMS // programs), row_tiles))
 
 
+@triton.jit
+def _range_attention_delta_kernel(DO, O, DELTA, stride_do, stride_o, n_rows, dv,
+                                  ROWS: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """FlashAttention-2's D0 = rowsum(dO * O) in fp32 for ROWS (query, head) rows of [rows, dv] views."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_DV)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < dv)
+    do = tl.load(DO + rows[:, None] * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(O + rows[:, None] * stride_o + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows, tl.sum(do * o, 1), mask=row_ok)
+
+
+def range_attention_delta(do: Tensor, o: Tensor) -> Tensor:
+    """D0 = rowsum(dO * O) [B, TQ, Hq] fp32 (contiguous, the layout of lse2) in one pass over dO and O, without the
+    fp32 copies a torch expression makes (~12 GB of traffic per branch at 64k tokens and 64 heads)."""
+    dv = o.shape[-1]
+    do_rows, o_rows = (x.reshape(-1, dv) for x in (do, o))
+    do_rows, o_rows = (x if x.stride(-1) == 1 else x.contiguous() for x in (do_rows, o_rows))
+    delta = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
+    n_rows = o_rows.shape[0]
+    if n_rows == 0:
+        return delta
+    block_dv = padded(dv)
+    rows = max(1, DELTA_ELEMENTS_PER_PROGRAM // block_dv)
+    _range_attention_delta_kernel[(triton.cdiv(n_rows, rows),)](
+        do_rows, o_rows, delta, do_rows.stride(0), o_rows.stride(0), n_rows, dv, ROWS=rows, BLOCK_DV=block_dv,
+        num_warps=4)
+    return delta
+
+
 def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
                              do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
                              dkdv_tiling: RangeTiling | None = None, split: int | None = None,
@@ -259,9 +287,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         return dq.zero_(), dkey, dval
     if TQ == 0:
         return dq, dkey.zero_(), dval.zero_()
-    # D for the dk/dv kernel: written by the dq kernel, which computes D0 = rowsum(dO * O) from its own dO and O
-    # tiles (in torch, the fp32 copies of dO and O cost ~12 GB of traffic per branch at 64k)
-    delta = torch.empty(lse2.shape, device=q.device, dtype=torch.float32)
+    delta = range_attention_delta(do, o)  # D0; the dq kernel overwrites it with the consistent D
     dot_fp32, precision = dot_settings(q.dtype)
     common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
                   INPUT_PRECISION=precision)
@@ -271,8 +297,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
 
     def launch_dq(t: RangeTiling) -> None:
         _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m), Hq, B)](
-            q, k, v, lo, hi, do, o, lse2, delta, dq, *strides[:12], o.stride(0), o.stride(1), o.stride(2),
-            *strides[12:], dq.stride(0), dq.stride(1), dq.stride(2),
+            q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CONSISTENT_D=consistent_d,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
 
