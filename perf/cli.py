@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"subset of {NSA_STAGES}, or none (the whole layer only)")
     run.add_argument("--passes", type=_names(PASSES, "--passes"), help=f"subset of {PASSES}")
     run.add_argument("--out", type=Path, help="results folder (default reports/perf, or $OUT/perf when $OUT is set)")
-    run.add_argument("--merge", action="store_true", help="keep rows of --out that this sweep does not measure")
+    run.add_argument("--merge", action="store_true", help="keep rows of --out that this sweep does not measure "
+                     "(a case it skips for time keeps its measured row; --compare-baseline judges only this sweep)")
     run.add_argument("--resume", action="store_true", help="run only the cases --out lacks or skipped (time "
                      "budget, error) and merge; repeat until nothing is skipped")
     run.add_argument("--readme", type=Path, help="rewrite the PERF section of this README (without --out: "
@@ -176,12 +177,12 @@ def cmd_run(args) -> int:
     def save(new_rows: list[Row]) -> None:
         write_rows(merge_rows(old_rows, new_rows) if old_meta else new_rows, out_dir, meta)
 
-    rows = runner.run(done, on_row=save)
+    sweep_rows = runner.run(done, on_row=save)
     if device.type == "cuda":
         env["nvidia_smi_end"] = nvidia_smi(device.index or 0)
-    skipped = [r for r in rows if r.status == "skipped"]
+    skipped = [r for r in sweep_rows if r.status == "skipped"]
     meta.update(elapsed_s=runner.elapsed(), skipped_cases=len(skipped))
-    rows = merge_rows(old_rows, rows) if old_meta else rows
+    rows = merge_rows(old_rows, sweep_rows) if old_meta else sweep_rows
     write_rows(rows, out_dir, meta)
     make_report(read_rows(out_dir / RESULTS_CSV), out_dir, readme)  # the reports show what the CSV holds
     print(f"perf: wrote {out_dir}/ ({len(rows)} rows, {len(skipped)} skipped by the time budget) in "
@@ -192,8 +193,9 @@ def cmd_run(args) -> int:
 
     status = 0
     if args.compare_baseline and baseline_file.exists():
-        comparisons = gate.compare(rows, gate.load_baseline(baseline_file), spec.shape_key(), spec.regression_floor,
-                                   spec.spread_factor)
+        # only what this sweep measured: a merged-in older row is no evidence about this tree
+        comparisons = gate.compare(sweep_rows, gate.load_baseline(baseline_file), spec.shape_key(),
+                                   spec.regression_floor, spec.spread_factor)
         print(f"perf: comparing with {baseline_file}")
         print(gate.format_comparison(comparisons))
         if any(c.verdict == "regression" for c in comparisons):

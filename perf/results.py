@@ -124,6 +124,9 @@ def read_meta(out_dir: Path) -> dict[str, Any]:
 
 
 def merge_rows(old: list[Row], new: list[Row]) -> list[Row]:
-    """old rows with every key that `new` measured replaced (so a sweep can be split over several commands)."""
+    """old rows with every key that `new` measured replaced (so a sweep can be split over several commands). A case
+    `new` skipped for time measured nothing, so it does not replace an old row that holds a measurement."""
+    measured = {r.key for r in old if r.status != SKIPPED}
+    new = [r for r in new if r.status != SKIPPED or r.key not in measured]
     replaced = {r.key for r in new}
     return [r for r in old if r.key not in replaced] + new

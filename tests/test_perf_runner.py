@@ -221,6 +221,26 @@ def test_time_budget_skips_cases_and_resume_measures_them(tmp_path, one_thread):
     assert len(again) == 4 and all(first[r.key] == r.median_ms for r in again if r.key in first)
 
 
+
+def test_merge_keeps_measured_rows_over_time_skips_and_the_gate_compares_only_this_sweep(tmp_path, one_thread,
+                                                                                       capsys):
+    """A --merge sweep whose cases are skipped for time measured nothing: the results keep the earlier measured rows
+    (a skip used to overwrite them), and --compare-baseline reports those cases as not compared, not as passing."""
+    out, base_dir = tmp_path / "perf", tmp_path / "baselines"
+    args = ["run", "--device", "cpu", "--preset", "tiny", "--seq-lens", "64", "--stages", "gate", "--passes", "fwd",
+            "--repeats", "2", "--out", str(out)]
+    assert main(args + ["--update-baseline", "--baseline-dir", str(base_dir)]) == 0
+    measured = {r.key: r.median_ms for r in read_rows(out / "results.csv")}
+    assert len(measured) == 3 and all(v is not None for v in measured.values())
+    (baseline_file,) = base_dir.iterdir()
+    capsys.readouterr()
+    assert main(args + ["--merge", "--time-budget", "1e-9", "--compare-baseline", "--baseline",
+                        str(baseline_file)]) == 0
+    printed = capsys.readouterr().out
+    kept = read_rows(out / "results.csv")
+    assert {r.key: r.median_ms for r in kept} == measured and all(r.status == OK for r in kept)
+    assert printed.count("not compared") >= 3 and "skipped: " in printed
+
 # Packed workload (issue 9): documents of mixed lengths in one row -------------------------------------------
 
 def test_packed_document_lengths_fill_the_row_with_mixed_documents():
