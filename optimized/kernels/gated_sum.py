@@ -22,9 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiling import MAX_HEAD_DIM
+from .tiling import MAX_HEAD_DIM, row_pass_shape, row_view
 
-ELEMENTS_PER_PROGRAM = 2048  # (row, d_v) elements of one program: 16 per thread with 4 warps
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INPUT_DTYPES = FLOAT_DTYPES + (torch.float64,)  # the selected branch hands o_slc in the compute dtype
 COMPUTE_DTYPES = (torch.float32, torch.float64)
@@ -97,22 +96,16 @@ def _gated_sum_bwd_kernel(
                   stride_win, stride_dwin, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES)
 
 
-def _rows(x: Tensor) -> Tensor:
-    """x [..., n] as a [rows, n] view with a contiguous last dim (a copy only when no such view exists)."""
-    x = x.reshape(-1, x.shape[-1])
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def gated_sum_forward(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, compute: torch.dtype,
                       dtype: torch.dtype) -> Tensor:
     """The Eq. 5 kernel (module docstring), not differentiable: o [..., d_v] in dtype."""
     out = torch.empty(o_cmp.shape, dtype=dtype, device=o_cmp.device)
     dv = o_cmp.shape[-1]
-    g, c, s, w, o = (_rows(x) for x in (gates, o_cmp, o_slc, o_win, out))
+    g, c, s, w, o = (row_view(x) for x in (gates, o_cmp, o_slc, o_win, out))
     n_rows = c.shape[0]
     if n_rows * dv == 0:
         return out
-    block_dv, rows = _launch_shape(dv)
+    block_dv, rows = row_pass_shape(dv)
     _gated_sum_kernel[(triton.cdiv(n_rows, rows),)](
         g, c, s, w, o,
         g.stride(0), g.stride(1), c.stride(0), s.stride(0), w.stride(0), o.stride(0),
@@ -123,12 +116,6 @@ def gated_sum_forward(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor
     return out
 
 
-def _launch_shape(dv: int) -> tuple[int, int]:
-    """(BLOCK_DV, rows per program) of both Eq. 5 kernels."""
-    block_dv = triton.next_power_of_2(dv)
-    return block_dv, max(1, ELEMENTS_PER_PROGRAM // block_dv)
-
-
 def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, compute: torch.dtype,
                        grad_outs: bool, grad_gates: bool) -> tuple[Tensor | None, ...]:
     """Eq. 5's gradients (module docstring): (d gates [..., 3] in the gates' dtype, d o_cmp, d o_slc, d o_win in
@@ -137,13 +124,13 @@ def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor, o_slc: Tensor, 
     d_outs = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if grad_outs else None
               for o in (o_cmp, o_slc, o_win)]
     d_gates = torch.empty(gates.shape, dtype=gates.dtype, device=gates.device) if grad_gates else None
-    g, d, c, s, w = (_rows(x) for x in (gates, do, o_cmp, o_slc, o_win))
-    dc, ds, dw = (_rows(x) if x is not None else c for x in d_outs)  # unused pointers: any tensor
-    dg = _rows(d_gates) if d_gates is not None else g
+    g, d, c, s, w = (row_view(x) for x in (gates, do, o_cmp, o_slc, o_win))
+    dc, ds, dw = (row_view(x) if x is not None else c for x in d_outs)  # unused pointers: any tensor
+    dg = row_view(d_gates) if d_gates is not None else g
     n_rows = c.shape[0]
     if n_rows * dv == 0:
         return d_gates, *d_outs
-    block_dv, rows = _launch_shape(dv)
+    block_dv, rows = row_pass_shape(dv)
     _gated_sum_bwd_kernel[(triton.cdiv(n_rows, rows),)](
         g, d, c, s, w, dc, ds, dw, dg,
         g.stride(0), g.stride(1), d.stride(0), c.stride(0), s.stride(0), w.stride(0), dc.stride(0), ds.stride(0),

@@ -35,9 +35,8 @@ from torch import Tensor
 from .range_attention_fwd import _key_tile_span
 from .selected_attention_bwd import _compensated_add
 from .selected_attention_fwd import LOG2E, dot_settings
-from .tiling import RangeTiling, launch_with_fallback, padded, range_tiling, smaller_range_tilings
-
-DELTA_ELEMENTS_PER_PROGRAM = 2048  # (row, d_v) elements of one D0 program: 16 per thread with 4 warps
+from .tiling import (RangeTiling, launch_with_fallback, padded, range_tiling, row_pass_shape, row_view,
+                     smaller_range_tilings)
 
 
 @triton.jit
@@ -255,14 +254,12 @@ def range_attention_delta(do: Tensor, o: Tensor) -> Tensor:
     """D0 = rowsum(dO * O) [B, TQ, Hq] fp32 (contiguous, the layout of lse2) in one pass over dO and O, without the
     fp32 copies a torch expression makes (~12 GB of traffic per branch at 64k tokens and 64 heads)."""
     dv = o.shape[-1]
-    do_rows, o_rows = (x.reshape(-1, dv) for x in (do, o))
-    do_rows, o_rows = (x if x.stride(-1) == 1 else x.contiguous() for x in (do_rows, o_rows))
+    do_rows, o_rows = row_view(do), row_view(o)
     delta = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
     n_rows = o_rows.shape[0]
     if n_rows == 0:
         return delta
-    block_dv = padded(dv)
-    rows = max(1, DELTA_ELEMENTS_PER_PROGRAM // block_dv)
+    block_dv, rows = row_pass_shape(dv)
     _range_attention_delta_kernel[(triton.cdiv(n_rows, rows),)](
         do_rows, o_rows, delta, do_rows.stride(0), o_rows.stride(0), n_rows, dv, ROWS=rows, BLOCK_DV=block_dv,
         num_warps=4)

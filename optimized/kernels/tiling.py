@@ -54,6 +54,23 @@ def padded(n: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(n))
 
 
+ROW_PASS_ELEMENTS = 2048  # (row, column) elements of one row-pass program: 16 per thread with 4 warps
+
+
+def row_view(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] as a [rows, n] view with a contiguous last dim (a copy only when no such view exists): the layout
+    of the row passes (Eq. 5 and its backward, the range backward's D0)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def row_pass_shape(n: int) -> tuple[int, int]:
+    """(BLOCK, rows per program) of a row pass over [rows, n]: BLOCK = next power of two >= n, ROW_PASS_ELEMENTS
+    elements per program."""
+    block = triton.next_power_of_2(n)
+    return block, max(1, ROW_PASS_ELEMENTS // block)
+
+
 def key_tile_rows(sel_block: int, cap: int) -> int:
     """B_k: the largest power of two <= cap dividing l' (>= 16; a masked 16-row tile when 16 does not divide l')."""
     rows = MIN_DOT
