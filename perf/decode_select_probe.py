@@ -6,8 +6,9 @@ one-warp kernel did both; perf.decode_profile measured it at 25-30 us at 64k x 1
 on synthetic inputs of the paper layout (16 heads per KV group, l = 32, d = 16, l' = 64, n = 16):
 
 - step: the two launches as the lean step runs them; score only / select only: each launch alone;
-- select only, by rank / W warps: the select launch with Eq. 11 as top_n.top_n_by_rank's comparison matrices
-  (before the bitonic top-k), or with W warps per program;
+- select only, W warps: the select launch with W warps per program (Eq. 11 by top_n.top_n_by_rank's comparison
+  matrices instead of the bitonic top-k measured 12.0 against 7.3 us at 64k x 16, 2e8faa9:
+  reports/decode/logs/decode_select_probe_2026-11-25-2e8faa9.log);
 - scores B / W: the two launches with B selection blocks per score program and W warps;
 - one launch: the previous single kernel (1 warp: scoring and ranking in one program).
 Every variant's lists are compared with the step's (equal unless the compiler fuses a multiply-add differently).
@@ -66,40 +67,18 @@ def _one_launch_kernel(
     tl.store(LISTS + (row * n_lists + tl.program_id(1)) * N_PAD + tl.arange(0, N_PAD), best)
 
 
-@triton.jit
-def _select_by_rank_kernel(LENGTHS, N_NEW, SCORES, LISTS, n_blocks, blocks_per_list, n_lists, HKV: tl.constexpr,
-                           N_SEL: tl.constexpr, N_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr):
-    """_select_kernel for the paper layout with Eq. 11 by top_n_by_rank (the [C, C + N_PAD] comparison matrices)
-    instead of score_into_list's bitonic top-k."""
-    row = tl.program_id(0).to(tl.int64)
-    p, _ = step_position(LENGTHS, N_NEW, row // HKV)
-    J = tl.where(p >= 0, p // SEL_BLOCK, -1)
-    first = tl.program_id(1) * blocks_per_list
-    stop = tl.minimum(tl.minimum(first + blocks_per_list, J + 1), n_blocks).to(tl.int32)
-    best = tl.full([N_PAD], EMPTY, dtype=tl.int64)
-    for start in range(first, stop, RANK_BLOCK):
-        j = start + tl.arange(0, RANK_BLOCK)
-        ok = j < stop
-        score = tl.load(SCORES + row * n_blocks + j, mask=ok, other=0.0)
-        best = top_n_by_rank(tl.where(ok, rank_key(score, j, J, N_INIT, N_LOCAL), EMPTY), best, N_SEL, N_PAD)
-    tl.store(LISTS + (row * n_lists + tl.program_id(1)) * N_PAD + tl.arange(0, N_PAD), best)
-
-
-# name: (what runs, (blocks per score program, score warps), (Eq. 11 "sort" or "rank", select warps)); "launches":
-# score + select as the step runs them, "score" / "select": one of them alone, "one launch": the previous single
-# kernel
+# name: (what runs, (blocks per score program, score warps), select warps); "launches": score + select as the step
+# runs them, "score" / "select": one of them alone, "one launch": the previous single kernel
 STEP_SCORE = (decode_step.SCORE_BLOCK, decode_step.SCORE_WARPS)
-STEP_SELECT = ("sort", decode_step.SELECT_WARPS)
 VARIANTS = {
-    "step": ("launches", STEP_SCORE, STEP_SELECT),
-    "score only": ("score", STEP_SCORE, STEP_SELECT),
-    "select only": ("select", STEP_SCORE, STEP_SELECT),
-    "select only, by rank": ("select", STEP_SCORE, ("rank", 1)),
-    "select only, 2 warps": ("select", STEP_SCORE, ("sort", 2)),
-    "select only, 4 warps": ("select", STEP_SCORE, ("sort", 4)),
-    "scores 64 / 4 warps": ("launches", (64, 4), STEP_SELECT),
-    "scores 128 / 4 warps": ("launches", (128, 4), STEP_SELECT),
-    "one launch": ("one launch", STEP_SCORE, STEP_SELECT),  # the tilings do not apply
+    "step": ("launches", STEP_SCORE, decode_step.SELECT_WARPS),
+    "score only": ("score", STEP_SCORE, decode_step.SELECT_WARPS),
+    "select only": ("select", STEP_SCORE, decode_step.SELECT_WARPS),
+    "select only, 2 warps": ("select", STEP_SCORE, 2),
+    "select only, 4 warps": ("select", STEP_SCORE, 4),
+    "scores 64 / 4 warps": ("launches", (64, 4), decode_step.SELECT_WARPS),
+    "scores 128 / 4 warps": ("launches", (128, 4), decode_step.SELECT_WARPS),
+    "one launch": ("one launch", STEP_SCORE, decode_step.SELECT_WARPS),  # the tilings do not apply
 }
 
 
@@ -118,7 +97,7 @@ def inputs(batch: int, context: int, splits: int, device: torch.device) -> dict:
 
 def launcher(x: dict, lists: int, splits: int, variant: str):
     """(run, lists): a callable that launches the variant and the [rows, lists, N_PAD] lists it writes."""
-    kind, (score_block, score_warps), (how, select_warps) = VARIANTS[variant]
+    kind, (score_block, score_warps), select_warps = VARIANTS[variant]
     device = x["logits"].device
     n_blocks = x["n_blocks"]
     blocks_per_list = -(-n_blocks // lists)
@@ -144,13 +123,7 @@ def launcher(x: dict, lists: int, splits: int, variant: str):
             enable_fp_fusion=False)
 
     def select():
-        grid = (x["rows"], lists)
-        if how == "rank":
-            _select_by_rank_kernel[grid](x["lengths"], x["n_new"], scores, out, n_blocks, blocks_per_list, lists,
-                                         HKV=HKV, N_SEL=N_SEL, N_PAD=16, RANK_BLOCK=rank_block,
-                                         num_warps=select_warps, num_stages=1)
-            return
-        _select_kernel[grid](
+        _select_kernel[(x["rows"], lists)](
             x["lengths"], x["n_new"], scores, out, n_blocks, blocks_per_list, lists,
             HKV=HKV, SEL_BLOCK=SEL_BLOCK, N_INIT=N_INIT, N_LOCAL=N_LOCAL, N_SEL=N_SEL, N_PAD=16,
             RANK_BLOCK=rank_block, num_warps=select_warps, num_stages=1)
