@@ -221,7 +221,6 @@ def test_time_budget_skips_cases_and_resume_measures_them(tmp_path, one_thread):
     assert len(again) == 4 and all(first[r.key] == r.median_ms for r in again if r.key in first)
 
 
-
 def test_merge_keeps_measured_rows_over_time_skips_and_the_gate_compares_only_this_sweep(tmp_path, one_thread,
                                                                                        capsys):
     """A --merge sweep whose cases are skipped for time measured nothing: the results keep the earlier measured rows
@@ -240,6 +239,7 @@ def test_merge_keeps_measured_rows_over_time_skips_and_the_gate_compares_only_th
     kept = read_rows(out / "results.csv")
     assert {r.key: r.median_ms for r in kept} == measured and all(r.status == OK for r in kept)
     assert printed.count("not compared") >= 3 and "skipped: " in printed
+
 
 # Packed workload (issue 9): documents of mixed lengths in one row -------------------------------------------
 
