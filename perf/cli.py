@@ -1,5 +1,6 @@
-"""Command line: `python -m perf {run,report,compare,floors}` (`-h` after a command lists its options). Outputs go
-where `--out` says; the defaults are under reports/ (reports/perf for `run --preset paper`).
+"""Command line: `python -m perf {run,report,compare,floors,train,train-report,train-profile}` (`-h` after a
+command lists its options). Outputs go where `--out` says; the defaults are under reports/ (reports/perf for `run`,
+reports/perf/train for `train`, reports/perf/train_profile for `train-profile`).
 
 Exit status: 0 ok; 1 a regression against the baseline; 2 bad usage, no GPU for --device cuda, or a baseline
 that cannot be compared; 3 some case raised an error other than out-of-memory (the sweep still finished).
@@ -113,13 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     flo.add_argument("--preset", choices=PRESETS, default="paper")
     flo.add_argument("--peak-tflops", type=float, required=True, help="matmul ceiling, TFLOP/s")
     flo.add_argument("--bandwidth-gbps", type=float, required=True, help="copy ceiling, GB/s (read + write)")
+
+    add_train_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "floors": cmd_floors}
+        commands = {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "floors": cmd_floors,
+                    "train": cmd_train, "train-report": cmd_train_report, "train-profile": cmd_train_profile}
         return commands[args.command](args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -267,3 +271,82 @@ def cmd_floors(args) -> int:
     return 0
 
 
+# Training throughput (perf/train_bench.py, perf/train_profile.py) ---------------------------------------------------
+
+DEFAULT_TRAIN_OUT = Path("reports/perf/train")
+DEFAULT_TRAIN_PROFILE_OUT = Path("reports/perf/train_profile")
+
+
+def _positive_int(text: str) -> int:
+    value = parse_seq_lens(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive int (or Nk), got {text!r}")
+    return value[0]
+
+
+def add_train_parsers(sub) -> None:
+    from .train_bench import DEFAULT_SEQ_LENS
+    from .train_model import GEOMETRIES, MODELS
+
+    train = sub.add_parser("train", help="tokens/s and peak memory of full training steps, NSA and dense attention")
+    train.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    train.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m", "paper"),
+                       help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m,paper; tiny is the CPU variant)")
+    train.add_argument("--models", type=_names(MODELS, "--models"), default=MODELS, help="nsa, dense or both")
+    train.add_argument("--seq-lens", type=parse_seq_lens, default=DEFAULT_SEQ_LENS,
+                       help="comma list (default 2k,8k,16k,32k,64k)")
+    train.add_argument("--tokens-per-step", type=_positive_int, default=65536,
+                       help="tokens per optimizer step at every seq_len (default 64k)")
+    train.add_argument("--micro-batch-tokens", dest="micro_tokens", type=_positive_int, default=16384,
+                       help="at most this many tokens per micro-step (at least one sequence), the rest by gradient "
+                            "accumulation (default 16k)")
+    train.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles; default 2)")
+    train.add_argument("--steps", type=int, default=10, help="timed steps per case (default 10)")
+    train.add_argument("--budget-s", type=float, default=420.0,
+                       help="wall-clock budget: a case that would end past it is skipped (default 420 s)")
+    train.add_argument("--activation-checkpointing", action="store_true",
+                       help="train.activation_checkpointing for both models (default off)")
+    train.add_argument("--merge", action="store_true", help="keep the rows of --out that this sweep does not measure")
+    train.add_argument("--out", type=Path, default=DEFAULT_TRAIN_OUT,
+                       help="writes train.csv, train.json, train.md, train.png here (default reports/perf/train)")
+
+    rep = sub.add_parser("train-report", help="regenerate train.md and train.png from a train.csv")
+    rep.add_argument("--out", type=Path, default=DEFAULT_TRAIN_OUT,
+                     help="folder holding train.csv and train.json (default reports/perf/train)")
+
+    prof = sub.add_parser("train-profile", help="where one training step's time goes (torch.profiler, by region)")
+    prof.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    prof.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m",),
+                      help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m)")
+    prof.add_argument("--models", type=_names(MODELS, "--models"), default=("nsa",), help="nsa (default), dense or both")
+    prof.add_argument("--seq-len", type=_positive_int, default=16384, help="default 16k")
+    prof.add_argument("--tokens-per-step", type=_positive_int, default=65536, help="default 64k, as `perf train`")
+    prof.add_argument("--micro-batch-tokens", dest="micro_tokens", type=_positive_int, default=16384,
+                      help="default 16k, as `perf train`")
+    prof.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    prof.add_argument("--timed", type=int, default=5, help="steps timed without the profiler (default 5)")
+    prof.add_argument("--profiled", type=int, default=2, help="steps under torch.profiler (default 2)")
+    prof.add_argument("--out", type=Path, default=DEFAULT_TRAIN_PROFILE_OUT,
+                      help="writes train_profile.json and train_profile.md here (default reports/perf/train_profile)")
+
+
+def cmd_train(args) -> int:
+    from .train_bench import ERROR, run_sweep
+
+    rows, _ = run_sweep(args, _device(args.device))
+    return EXIT_CASE_ERROR if any(r.status == ERROR for r in rows) else 0
+
+
+def cmd_train_report(args) -> int:
+    from .train_report import make_report
+
+    paths = make_report(args.out)
+    print(f"perf train-report: wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def cmd_train_profile(args) -> int:
+    from .train_profile import run_profiles
+
+    run_profiles(args, _device(args.device))
+    return 0
