@@ -266,7 +266,8 @@ def cmd_floors(args) -> int:
     print("| T | stage | pass | GFLOP | GB | FLOP floor ms | byte floor ms | bound |")
     print("|---|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['T']} | {r['stage']} | {r['pass']} | {r['GFLOP']:.1f} | {r['GB']:.3f} | {r['flop_floor_ms']:.3f} | "
+        print(f"| {r['T']} | {r['stage']} | {r['pass']} | {r['GFLOP']:.1f} | {r['GB']:.3f} | "
+              f"{r['flop_floor_ms']:.3f} | "
               f"{r['byte_floor_ms']:.3f} | {r['bound']} |")
     return 0
 
@@ -318,7 +319,8 @@ def add_train_parsers(sub) -> None:
     prof.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     prof.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m",),
                       help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m)")
-    prof.add_argument("--models", type=_names(MODELS, "--models"), default=("nsa",), help="nsa (default), dense or both")
+    prof.add_argument("--models", type=_names(MODELS, "--models"), default=("nsa",),
+                      help="nsa (default), dense or both")
     prof.add_argument("--seq-len", type=_positive_int, default=16384, help="default 16k")
     prof.add_argument("--tokens-per-step", type=_positive_int, default=65536, help="default 64k, as `perf train`")
     prof.add_argument("--micro-batch-tokens", dest="micro_tokens", type=_positive_int, default=16384,

@@ -47,6 +47,12 @@ def legend_outside(ax, **kwargs) -> None:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
 
 
+def legend_below(ax, ncol: int = 2, **kwargs) -> None:
+    """A legend under the axes (below the x label), so it covers no point and no neighbouring panel."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol, frameon=False, **kwargs)
+
+
 def save(fig, path: Path, plt) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -342,7 +342,8 @@ def peer_verdicts(rows: list[Row]) -> list[str]:
                     missing.append(_t(T))
                 elif ours.median_ms >= peer.median_ms:
                     slower.append(f"{_t(T)} ({_ms(ours.median_ms)} vs {_ms(peer.median_ms)} ms)")
-            verdict = ("NOT MET: slower at " + ", ".join(slower)) if slower else ("MET" if not missing else "MET so far")
+            verdict = ("NOT MET: slower at " + ", ".join(slower)) if slower else \
+                ("MET" if not missing else "MET so far")
             lines.append(f"- {impl} faster than {FLA} {PASS_TITLE[pass_name]} at every T from {_t(PEER_TARGET_FROM)}: "
                          f"{verdict}" + (f" (not measured at {', '.join(missing)})" if missing else ""))
     return lines
