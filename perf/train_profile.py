@@ -213,9 +213,13 @@ def attribute(events, on_cuda: bool) -> tuple[dict[tuple[str, str], float], dict
     """(category, direction) -> microseconds, (category, kernel or op name) -> [microseconds, count], and the total
     device time (CUDA kernels and copies; on CPU the ops' own CPU time)."""
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
+    # Sequence numbers count per thread: only the thread that ran the forward (the one with region ranges) makes the
+    # autograd nodes the backward runs.
+    forward_threads = {e.thread for e in cpu if e.name.startswith(REGION)}
     forward_region: dict[int, tuple[float, str | None]] = {}  # sequence number -> (start, region) of its forward op
     for e in cpu:
-        if e.sequence_nr < 0 or e.name.startswith(REGION) or _is_backward(e):
+        if (e.sequence_nr < 0 or e.thread not in forward_threads or e.name.startswith(REGION)
+                or _is_backward(e)):
             continue
         seen = forward_region.get(e.sequence_nr)
         if seen is None or e.time_range.start >= seen[0]:  # the node is made by the last op recording its number
