@@ -46,6 +46,7 @@ from reference.contract import KV, BranchKV, PhiWeights
 
 from .outputs import DECODE_OUT
 from .plots import annotate_points, legend_below, pyplot, save, tokens_label, unity_line
+from .results import parse_cell
 from .timing import Timer
 
 TABLE_4 = {8192: (2048, 4.0), 16384: (2560, 6.4), 32768: (3584, 9.1), 65536: (5632, 11.6)}
@@ -284,16 +285,7 @@ def read_cases(path: Path) -> tuple[list[Case], dict]:
             text = rec.get(name)
             if text is None or text == "":
                 continue
-            if name == "sdpa_forms_us":
-                values[name] = json.loads(text)
-            elif kind == "bool":
-                values[name] = text == "True"
-            elif kind.startswith("int"):
-                values[name] = int(float(text))
-            elif kind.startswith("float"):
-                values[name] = float(text)
-            else:
-                values[name] = text
+            values[name] = json.loads(text) if name == "sdpa_forms_us" else parse_cell(kind, text)
         cases.append(Case(**values))
     env = {k: v for k, v in (records[0] if records else {}).items() if k not in _CASE_TYPES}
     return cases, env

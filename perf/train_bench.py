@@ -19,20 +19,21 @@ stops there and is recorded as skipped.
 
 from __future__ import annotations
 
-import csv
 import gc
 import json
 import math
 import statistics
 import time
 import traceback
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .env import describe, nvidia_smi
+from .results import merge_rows, read_csv, write_csv
+from .timing import Samples
 from .train_model import GEOMETRIES, MODELS, BatchPlan, attention_path, batch_plan, count_parameters, geometry, \
     trainer_for
 
@@ -69,9 +70,6 @@ class TrainRow:
     @property
     def key(self) -> tuple[str, str, int]:
         return self.geometry, self.model, self.seq_len
-
-
-_TYPES = {f.name: f.type for f in fields(TrainRow)}
 
 
 class OverBudget(Exception):
@@ -213,18 +211,10 @@ def run_case(geom_name: str, model: str, plan: BatchPlan, *, warmup: int, steps:
 
 
 def _fill_timing(row: TrainRow, times_ms: list[float]) -> None:
-    ordered = sorted(times_ms)
-
-    def quantile(q: float) -> float:
-        pos = q * (len(ordered) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-    row.median_step_ms = statistics.median(times_ms)
+    samples = Samples(times_ms)
+    row.median_step_ms, row.min_step_ms = samples.median, samples.minimum
     row.mean_step_ms = statistics.fmean(times_ms)
-    row.min_step_ms = ordered[0]
-    row.p20_step_ms, row.p80_step_ms = quantile(0.2), quantile(0.8)
+    row.p20_step_ms, row.p80_step_ms = samples.quantile(0.2), samples.quantile(0.8)
     row.n_steps = len(times_ms)
     row.tokens_per_s = row.tokens_per_step / (row.median_step_ms / 1e3)
 
@@ -297,45 +287,18 @@ class Sweep:
 
 def write_rows(rows: list[TrainRow], out_dir: Path, meta: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / TRAIN_CSV, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(_TYPES))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if v is None else f"{v:.6g}" if isinstance(v, float) else v)
-                             for k, v in asdict(row).items()})
+    write_csv(out_dir / TRAIN_CSV, rows, TrainRow)
     (out_dir / TRAIN_JSON).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1,
                                                  default=str) + "\n")
 
 
 def read_rows(path: Path) -> list[TrainRow]:
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        unknown = sorted(set(reader.fieldnames or []) - set(_TYPES))
-        if unknown:
-            raise ValueError(f"{path}: unknown column(s) {unknown}; expected {list(_TYPES)}")
-        return [TrainRow(**{k: _parse(k, v) for k, v in rec.items()}) for rec in reader]
-
-
-def _parse(name: str, text: str) -> Any:
-    kind = _TYPES[name]
-    if kind == "str":
-        return text
-    if text == "":
-        return None if "None" in kind else 0
-    return int(float(text)) if kind.startswith("int") else float(text)
+    return read_csv(path, TrainRow)
 
 
 def read_meta(out_dir: Path) -> dict[str, Any]:
     path = Path(out_dir) / TRAIN_JSON
     return json.loads(path.read_text()).get("meta", {}) if path.exists() else {}
-
-
-def merge_rows(old: list[TrainRow], new: list[TrainRow]) -> list[TrainRow]:
-    """old rows with every case `new` measured replaced; a case `new` skipped keeps a measured old row."""
-    measured = {r.key for r in old if r.status != SKIPPED}
-    new = [r for r in new if r.status != SKIPPED or r.key not in measured]
-    replaced = {r.key for r in new}
-    return [r for r in old if r.key not in replaced] + new
 
 
 def run_sweep(args, device: torch.device) -> tuple[list[TrainRow], Path]:
