@@ -98,8 +98,8 @@ class DenseAttention(nn.Module):
 
     `last_stats` is a constant LayerStats of zeros (a dense layer has no gates, selections or counted reads), so the
     trainer's per-step statistics run unchanged. On CUDA the call is restricted to the fused SDPA kernels (flash
-    attention is the one with GQA): a shape they reject raises instead of falling back to the O(T^2)-memory math
-    kernel."""
+    attention is the one with GQA), never the O(T^2)-memory math kernel; where no fused kernel takes enable_gqa, k and
+    v are expanded to the query heads instead and `sdpa_backend` (shown in the reports) says so."""
 
     def __init__(self, nsa: NSALayerAttention):
         super().__init__()
@@ -111,6 +111,7 @@ class DenseAttention(nn.Module):
         self.head_dim_qk, self.head_dim_v = cfg.head_dim_qk, cfg.head_dim_v
         self.rope_base = inner.rope_base
         device = self.q_proj.weight.device
+        self.sdpa_backend = "fused kernels, enable_gqa" if device.type == "cuda" else "torch CPU kernel, enable_gqa"
         zeros3 = torch.zeros(3, device=device)
         self.last_stats = LayerStats(gate_mean=zeros3, gate_max=zeros3, distinct_blocks=torch.zeros((), device=device),
                                      reads=torch.zeros(3, dtype=torch.int64, device=device))
@@ -126,15 +127,22 @@ class DenseAttention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal SDPA with GQA in [B, H, T, D] layout; returns [B, T, Hq, dv]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if q.is_cuda:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                              SDPBackend.EFFICIENT_ATTENTION]):
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
+        if not q.is_cuda:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return o.transpose(1, 2)
+            return o.transpose(1, 2)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        if self.sdpa_backend == "fused kernels, enable_gqa":
+            try:
+                with sdpa_kernel(fused):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+            except RuntimeError:  # no fused kernel takes GQA on this build: expand k/v (said in the report)
+                self.sdpa_backend = "fused kernels, k/v expanded to the query heads (no fused GQA kernel)"
+        group = self.n_heads // self.n_kv_heads
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        with sdpa_kernel(fused):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
     def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
         if cu_seqlens is not None:
