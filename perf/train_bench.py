@@ -54,6 +54,7 @@ class TrainRow:
     grad_accum: int
     tokens_per_step: int
     status: str
+    activation_checkpointing: bool = False
     median_step_ms: float | None = None
     mean_step_ms: float | None = None
     min_step_ms: float | None = None
@@ -171,7 +172,8 @@ def describe_attention(model: torch.nn.Module, kernels: list[str] | None) -> str
 
 def run_case(geom_name: str, model: str, plan: BatchPlan, *, warmup: int, steps: int, device: torch.device,
              deadline: float, activation_checkpointing: bool = False, log=print) -> TrainRow:
-    row = TrainRow(geom_name, model, plan.seq_len, plan.micro_batch, plan.grad_accum, plan.tokens, SKIPPED)
+    row = TrainRow(geom_name, model, plan.seq_len, plan.micro_batch, plan.grad_accum, plan.tokens, SKIPPED,
+                   activation_checkpointing)
     clock = StepClock(device, warmup, steps, deadline, profile_kernels=True)
     if device.type == "cuda":
         gc.collect()
@@ -267,9 +269,10 @@ class Sweep:
                     predicted = self._predicted_s(geom, model, plan.seq_len)
                     left = self.deadline() - time.perf_counter()
                     if left <= 0 or (predicted is not None and predicted > left):
+                        note = (f"skipped by the {self.budget_s:.0f} s budget: predicted ~{predicted or 0:.0f} s, "
+                                f"{max(0.0, left):.0f} s left")
                         row = TrainRow(geom, model, plan.seq_len, plan.micro_batch, plan.grad_accum, plan.tokens,
-                                       SKIPPED, note=f"skipped by the {self.budget_s:.0f} s budget: predicted "
-                                       f"~{predicted or 0:.0f} s, {max(0.0, left):.0f} s left")
+                                       SKIPPED, self.activation_checkpointing, note=note)
                     else:
                         row = run_case(geom, model, plan, warmup=self.warmup, steps=self.steps, device=self.device,
                                        deadline=self.deadline(), activation_checkpointing=self.activation_checkpointing,
@@ -321,6 +324,8 @@ def run_sweep(args, device: torch.device) -> tuple[list[TrainRow], Path]:
     def save(rows: list[TrainRow]) -> None:
         write_rows(merge_rows(old, rows), out_dir, meta)
 
+    if args.steps < 10:
+        print(f"perf train: note: {args.steps} timed steps per case, fewer than the 10 that reported medians need")
     print(f"perf train: {env['device']} | torch {env['torch']} | triton {env['triton']} | geometries "
           f"{list(args.geometries)} | T={list(args.seq_lens)} | {args.tokens_per_step} tokens per step | budget "
           f"{args.budget_s:.0f} s", flush=True)

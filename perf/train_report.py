@@ -95,7 +95,7 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
            f"micro-step); {meta.get('warmup_steps', '?')} warm-up steps, then the median (and mean) of "
            f"{meta.get('timed_steps', '?')} timed steps ({meta.get('timing', '')}); tokens/s = tokens per step / "
            f"median step; peak memory = torch.cuda.max_memory_allocated over the timed steps. Activation "
-           f"checkpointing: {'on' if meta.get('activation_checkpointing') else 'off'}.", ""]
+           f"checkpointing: off unless a row says so.", ""]
     idx = _index(rows)
     for geom in dict.fromkeys(r.geometry for r in rows):
         out += [f"## {geom}", "", (meta.get("geometries") or {}).get(geom, ""), ""]
@@ -106,9 +106,10 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
         for T in sorted({r.seq_len for r in rows if r.geometry == geom}):
             nsa, dense = idx.get((geom, "nsa", T)), idx.get((geom, "dense", T))
             any_row = nsa or dense
-            cells = [_t(T), f"{any_row.micro_batch} x {any_row.grad_accum}", _cell(nsa, "tps"), _cell(dense, "tps"),
-                     f"{ratio[T]:.2f}x" if T in ratio else "-", _cell(nsa, "mem"), _cell(dense, "mem"),
-                     _cell(nsa, "ms"), _cell(dense, "ms")]
+            ckpt = " (activation checkpointing)" if any(r and r.activation_checkpointing for r in (nsa, dense)) else ""
+            cells = [_t(T) + ckpt, f"{any_row.micro_batch} x {any_row.grad_accum}", _cell(nsa, "tps"),
+                     _cell(dense, "tps"), f"{ratio[T]:.2f}x" if T in ratio else "-", _cell(nsa, "mem"),
+                     _cell(dense, "mem"), _cell(nsa, "ms"), _cell(dense, "ms")]
             out.append("| " + " | ".join(cells) + " |")
         out += ["", "Targets:", ""] + (target_lines(rows, geom) or ["- none for this geometry"]) + [""]
         paths = {}
