@@ -68,12 +68,13 @@ class FlaNSA:
             (cfg.group_size >= 16 and cfg.group_size & (cfg.group_size - 1) == 0,
              f"a power-of-2 group size >= 16 (got {cfg.group_size})"),
             (cfg.head_dim_qk <= 256, f"d_k <= 256 (got {cfg.head_dim_qk})"),
-            (device.type == "cuda" or not self.needs_cuda, f"CUDA (its kernels are Triton; got {device.type})"),
         ]
         broken = [rule for ok, rule in rules if not ok]
+        hint = f" (sweep {spec.name!r}; --preset equal_blocks has a configuration fla runs)" if broken else ""
+        if device.type != "cuda" and self.needs_cuda:
+            broken.append(f"CUDA (its kernels are Triton; got {device.type})")
         if broken:
-            raise ValueError(f"--impls {self.label} needs " + "; ".join(broken) + f" (preset {spec.name!r}; "
-                             f"--preset equal_blocks runs it)")
+            raise ValueError(f"--impls {self.label} needs " + "; ".join(broken) + hint)
 
     def build_case(self, pass_name: str, inputs: Inputs, spec: BenchSpec, seed: int) -> Prepared:
         """The callable of one pass over the sweep's inputs; the first forward runs here."""
