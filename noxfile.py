@@ -83,19 +83,32 @@ def conformance_gpu(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def perf(session: nox.Session) -> None:
-    """GPU benchmark (issue 8) with the interpreter running nox, nothing installed: NSA stages and layer vs SDPA
-    at 8k-128k, CSV/JSON/plots in reports/perf/, gate on reports/baselines/perf-<gpu>.json (exit 1 on a
-    regression). Posargs go to `python -m perf run`, e.g. `-- --update-baseline` or `-- --seq-lens 64k`."""
+    """GPU benchmark with the interpreter running nox, nothing installed: NSA stages and layer vs SDPA at 8k-128k,
+    CSV/JSON/plots in reports/perf/, gate on reports/baselines/perf-<gpu>.json (exit 1 on a regression). Posargs go
+    to `python -m perf run`, e.g. `-- --update-baseline`, `-- --seq-lens 64k` or `-- --preset equal_blocks` (fla's
+    parallel_nsa beside ours, with fla-core installed: the `fla` extra)."""
     import sys
 
     session.run(sys.executable, "-m", "perf", "run", "--device", "cuda", "--compare-baseline", *session.posargs,
                 external=True)
 
 
+@nox.session(name="perf-train", venv_backend="none")
+def perf_train(session: nox.Session) -> None:
+    """GPU training throughput with the interpreter running nox, nothing installed: full trainer steps of the NSA
+    model and of the same model with dense attention (causal SDPA, GQA), prod-125m and the paper's attention geometry,
+    seq_len 2k-64k at equal tokens per step; tokens/s and peak memory in reports/perf/train/ (about 8 minutes on one
+    H100, inside `--budget-s`). Posargs go to `python -m perf train`, e.g. `-- --geometries paper --seq-lens 64k`."""
+    import sys
+
+    session.run(sys.executable, "-m", "perf", "train", "--device", "cuda", *session.posargs, external=True)
+
+
 @nox.session(name="perf-cpu")
 def perf_cpu(session: nox.Session) -> None:
-    """The benchmark runner on tiny CPU shapes end to end (run, CSV/plots/README, baseline write + compare) so it
-    cannot rot; writes only under the session's tmp folder."""
+    """The benchmark runners on tiny CPU shapes end to end so they cannot rot: `perf run` (CSV/plots/README, baseline
+    write + compare), `perf train` and `perf train-profile` on the tiny geometry; writes only under the session's tmp
+    folder."""
     install_cpu(session, "dev,triton,plots")
     tmp = session.create_tmp()
     session.run("python", "-m", "perf", "run", "--device", "cpu", "--preset", "tiny", "--out", f"{tmp}/perf",
@@ -103,6 +116,12 @@ def perf_cpu(session: nox.Session) -> None:
                 *session.posargs)
     session.run("python", "-m", "perf", "compare", "--results", f"{tmp}/perf/results.csv", "--baseline",
                 f"{tmp}/baselines")
+    tiny_train = ["--device", "cpu", "--geometries", "tiny", "--tokens-per-step", "128", "--micro-batch-tokens", "64",
+                  "--warmup", "1"]
+    session.run("python", "-m", "perf", "train", *tiny_train, "--seq-lens", "32,64", "--steps", "3", "--out",
+                f"{tmp}/train")
+    session.run("python", "-m", "perf", "train-profile", *tiny_train, "--seq-len", "64", "--models", "nsa,dense",
+                "--timed", "2", "--profiled", "1", "--out", f"{tmp}/train_profile")
 
 
 # ------------------------------------------------------------------------------------------ launch gate (issue 7)

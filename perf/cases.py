@@ -9,7 +9,7 @@ with leaf inputs that require grad and then torch.autograd.grad of the outputs a
 gradients (no .grad accumulation between runs).
 
 Workloads: WORKLOADS maps a workload name to its input builder. "single": one sequence of length T per batch
-row. "packed" (issue 9): one row (batch 1) of T tokens holding documents of mixed lengths
+row. "packed": one row (batch 1) of T tokens holding documents of mixed lengths
 (packed_document_lengths), given to every NSA stage as cu_seqlens; SDPA runs the same documents as one causal
 call per document (what a varlen kernel saves is the launches, not the work). Rows carry the workload name, so
 the reports show packed next to single.
@@ -192,7 +192,8 @@ def build_nsa_case(impl: NSAImplementation, stage: str, pass_name: str, inputs: 
 
     if stage == "layer":
         q = _leaf(inputs.q) if train else inputs.q
-        kv = BranchKV(**{b: KV(*(_leaf(t) if train else t for t in inputs.kv.branch(b))) for b in ("cmp", "slc", "win")})
+        kv = BranchKV(**{b: KV(*(_leaf(t) if train else t for t in inputs.kv.branch(b)))
+                         for b in ("cmp", "slc", "win")})
         gates = _leaf(inputs.gates) if train else inputs.gates
         phi, phi_leaves = _phi_leaves(inputs.phi) if train else (inputs.phi, [])
         forward = lambda: impl.call("nsa_forward", q, kv, gates, cfg, phi, **packing)  # noqa: E731

@@ -1,4 +1,6 @@
-"""Command line: `python -m perf {run,report,compare,floors}` (run `python -m perf run -h` for the options).
+"""Command line: `python -m perf {run,report,compare,floors,train,train-report,train-profile}` (`-h` after a
+command lists its options). Outputs go where `--out` says; the defaults are under reports/ (reports/perf for `run`,
+reports/perf/train for `train`, reports/perf/train_profile for `train-profile`).
 
 Exit status: 0 ok; 1 a regression against the baseline; 2 bad usage, no GPU for --device cuda, or a baseline
 that cannot be compared; 3 some case raised an error other than out-of-memory (the sweep still finished).
@@ -7,7 +9,6 @@ that cannot be compared; 3 some case raised an error other than out-of-memory (t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,18 +22,12 @@ from .report import make_report
 from .results import ERROR, OK, OOM, RESULTS_CSV, Row, merge_rows, read_meta, read_rows, write_rows
 from .cases import WORKLOADS
 from .runner import Runner
-from .spec import LAYER, NSA_STAGES, PASSES, preset
+from .spec import DEFAULT_IMPLS, LAYER, NSA_STAGES, PASSES, PRESETS, preset
 
 EXIT_REGRESSION, EXIT_USAGE, EXIT_CASE_ERROR = 1, 2, 3
 DEFAULT_OUT = Path("reports/perf")
 DEFAULT_BASELINES = Path("reports/baselines")
 DEFAULT_README = Path("reports/README.md")
-
-
-def _out_root() -> Path | None:
-    """$OUT (the GPU runner's fetch-back folder) when set: results and new baselines are written under it."""
-    out = os.environ.get("OUT")
-    return Path(out) if out else None
 
 
 def parse_seq_lens(text: str) -> tuple[int, ...]:
@@ -67,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="time every case, write CSV/JSON/plots, optionally gate on a baseline")
     run.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    run.add_argument("--preset", choices=("paper", "tiny"), default="paper",
-                     help="paper: the issue-8 H100 sweep; tiny: CPU-sized shapes of the same code paths")
+    run.add_argument("--preset", choices=PRESETS, default="paper",
+                     help="paper: the H100 sweep of ours against SDPA; equal_blocks: SDPA, ours with and without the "
+                          "window branch, and fla's parallel_nsa at l = d = l' = 64; tiny: CPU-sized shapes of the "
+                          "same code paths (perf/spec.py)")
     run.add_argument("--seq-lens", type=parse_seq_lens, help="comma list, e.g. 8k,16k,32k,64k,128k")
     run.add_argument("--batch", type=int)
     run.add_argument("--repeats", type=int, help="timed runs per round (rounds x repeats >= 20 for reported numbers)")
@@ -77,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--time-budget", type=float, help="seconds; cases that would end past it are skipped")
     run.add_argument("--case-cap", type=float, help="seconds; a case whose timed calls would take longer is skipped "
                      "(keeps one slow implementation from spending the budget on its largest T)")
-    run.add_argument("--impls", default="sdpa,nsa", help="sdpa, nsa, nsa[backend=torch,chunk_size=4096], ...")
+    run.add_argument("--impls", help="sdpa, nsa, nsa[backend=torch,chunk_size=4096], nsa[branches=cmp+slc], fla "
+                     f"(default per preset: {DEFAULT_IMPLS})")
     run.add_argument("--nsa-impl", default="optimized", help="module with the contract functions (or mod:attr)")
     run.add_argument("--workload", choices=tuple(WORKLOADS), default="single",
                      help="single: one sequence of T tokens per row; packed: one row of documents of mixed lengths "
@@ -85,24 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stages", type=_names(NSA_STAGES, "--stages", allow_none=True),
                      help=f"subset of {NSA_STAGES}, or none (the whole layer only)")
     run.add_argument("--passes", type=_names(PASSES, "--passes"), help=f"subset of {PASSES}")
-    run.add_argument("--out", type=Path, help="results folder (default reports/perf, or $OUT/perf when $OUT is set)")
+    run.add_argument("--out", type=Path, help="results folder (default reports/perf for --preset paper, "
+                     "reports/perf/<preset> otherwise)")
     run.add_argument("--merge", action="store_true", help="keep rows of --out that this sweep does not measure "
                      "(a case it skips for time keeps its measured row; --compare-baseline judges only this sweep)")
     run.add_argument("--resume", action="store_true", help="run only the cases --out lacks or skipped (time "
                      "budget, error) and merge; repeat until nothing is skipped")
-    run.add_argument("--readme", type=Path, help="rewrite the PERF section of this README (without --out: "
-                     "reports/README.md, or $OUT/README.md when $OUT is set; with --out: none)")
-    run.add_argument("--commit", help="commit id to record when the checkout has no .git (a copied tree)")
+    run.add_argument("--readme", type=Path, help="also rewrite the preset's generated section of this README "
+                     "(default: reports/README.md without --out, none with --out); results.md next to the CSV "
+                     "always holds the same text")
     run.add_argument("--compare-baseline", action="store_true", help="fail (exit 1) on a regression")
     run.add_argument("--update-baseline", action="store_true", help="write this sweep as the new baseline")
     run.add_argument("--baseline", type=Path, help="baseline to compare with (default "
                      "reports/baselines/perf-<device-slug>.json)")
-    run.add_argument("--baseline-dir", type=Path, help="where --update-baseline writes (default reports/baselines, "
-                     "or $OUT/baselines when $OUT is set)")
+    run.add_argument("--baseline-dir", type=Path, default=DEFAULT_BASELINES,
+                     help="where --update-baseline writes (default reports/baselines)")
 
-    rep = sub.add_parser("report", help="regenerate plots and the README section from a results CSV")
+    rep = sub.add_parser("report", help="regenerate plots, results.md and the README section from a results CSV")
     rep.add_argument("--results", type=Path, default=DEFAULT_OUT / RESULTS_CSV)
-    rep.add_argument("--readme", type=Path, default=DEFAULT_README)
+    rep.add_argument("--readme", type=Path, default=DEFAULT_README, help="README whose generated section to rewrite "
+                     "(default reports/README.md)")
 
     cmp = sub.add_parser("compare", help="compare a results CSV/JSON with a baseline file (no timing)")
     cmp.add_argument("--results", type=Path, default=DEFAULT_OUT / RESULTS_CSV)
@@ -111,16 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     flo = sub.add_parser("floors", help="print per-stage FLOP and byte floors for one T (paper config)")
     flo.add_argument("--seq-len", type=parse_seq_lens, default=(65536,))
-    flo.add_argument("--preset", choices=("paper", "tiny"), default="paper")
+    flo.add_argument("--preset", choices=PRESETS, default="paper")
     flo.add_argument("--peak-tflops", type=float, required=True, help="matmul ceiling, TFLOP/s")
     flo.add_argument("--bandwidth-gbps", type=float, required=True, help="copy ceiling, GB/s (read + write)")
+
+    add_train_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "floors": cmd_floors}[args.command](args)
+        commands = {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "floors": cmd_floors,
+                    "train": cmd_train, "train-report": cmd_train_report, "train-profile": cmd_train_profile}
+        return commands[args.command](args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -142,35 +146,33 @@ def cmd_run(args) -> int:
         "passes": args.passes,
     }.items() if v is not None}
     spec = preset(args.preset, **overrides)
-    with_sdpa, variants = parse_impls(args.impls, args.nsa_impl)
-    root = _out_root()
-    out_dir = args.out or (root / "perf" if root else DEFAULT_OUT)
-    baseline_dir = args.baseline_dir or (root / "baselines" if root else DEFAULT_BASELINES)
-    readme = args.readme or (None if args.out else (root / "README.md" if root else DEFAULT_README))
+    impls_text = args.impls or DEFAULT_IMPLS[spec.name]
+    with_sdpa, variants, peers = parse_impls(impls_text, args.nsa_impl)
+    out_dir = args.out or (DEFAULT_OUT if spec.name == "paper" else DEFAULT_OUT / spec.name)
+    baseline_dir = args.baseline_dir
+    readme = args.readme or (None if args.out else DEFAULT_README)
 
     env = describe(device)
-    if args.commit:
-        env["git_commit"] = args.commit if env["git_commit"] is None else f"{env['git_commit']} (given {args.commit})"
     device_slug = slug(env["device"])
     baseline_file = args.baseline or gate.baseline_path(DEFAULT_BASELINES, device_slug, spec.name)
     if args.compare_baseline and not args.update_baseline and not baseline_file.exists():
         raise ValueError(f"--compare-baseline: no baseline {baseline_file}; write one with --update-baseline")
     print(f"perf: {env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
-          f"spec {spec.name} T={list(spec.seq_lens)} | workload {args.workload} | impls {args.impls} | budget "
+          f"spec {spec.name} T={list(spec.seq_lens)} | workload {args.workload} | impls {impls_text} | budget "
           f"{spec.time_budget_s:.0f} s")
 
     if spec.rounds * spec.repeats < 20:
         print(f"perf: note: {spec.rounds} rounds x {spec.repeats} runs = {spec.rounds * spec.repeats} timed runs per "
-              f"case, fewer than the 20 the issue asks for reported numbers")
+              f"case, fewer than the 20 that reported numbers need")
     old_meta = read_meta(out_dir) if (args.merge or args.resume) else {}
     if old_meta and old_meta.get("shape_key") != spec.shape_key():
         raise ValueError(f"--merge/--resume: {out_dir} holds results of different shapes/config; use another --out")
     old_rows = read_rows(out_dir / RESULTS_CSV) if old_meta and (out_dir / RESULTS_CSV).exists() else []
     done = frozenset(r.key for r in old_rows if r.status in (OK, OOM)) if args.resume else frozenset()
-    runner = Runner(spec, device, with_sdpa, variants, workload=args.workload)
+    runner = Runner(spec, device, with_sdpa, variants, workload=args.workload, peers=peers)
     ceilings = runner.measure_ceilings()
     meta = {"env": env, "spec": spec.to_dict(), "shape_key": spec.shape_key(), "ceilings": ceilings.to_dict(),
-            "impls": args.impls, "nsa_impl": args.nsa_impl}
+            "impls": impls_text, "nsa_impl": args.nsa_impl}
     if old_meta:
         meta["merged_runs"] = old_meta.get("merged_runs", [old_meta.get("env")]) + [env]
 
@@ -264,7 +266,89 @@ def cmd_floors(args) -> int:
     print("| T | stage | pass | GFLOP | GB | FLOP floor ms | byte floor ms | bound |")
     print("|---|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['T']} | {r['stage']} | {r['pass']} | {r['GFLOP']:.1f} | {r['GB']:.3f} | {r['flop_floor_ms']:.3f} | "
+        print(f"| {r['T']} | {r['stage']} | {r['pass']} | {r['GFLOP']:.1f} | {r['GB']:.3f} | "
+              f"{r['flop_floor_ms']:.3f} | "
               f"{r['byte_floor_ms']:.3f} | {r['bound']} |")
     return 0
 
+
+# Training throughput (perf/train_bench.py, perf/train_profile.py) ---------------------------------------------------
+
+DEFAULT_TRAIN_OUT = Path("reports/perf/train")
+DEFAULT_TRAIN_PROFILE_OUT = Path("reports/perf/train_profile")
+
+
+def _positive_int(text: str) -> int:
+    value = parse_seq_lens(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive int (or Nk), got {text!r}")
+    return value[0]
+
+
+def add_train_parsers(sub) -> None:
+    from .train_bench import DEFAULT_SEQ_LENS
+    from .train_model import GEOMETRIES, MODELS
+
+    train = sub.add_parser("train", help="tokens/s and peak memory of full training steps, NSA and dense attention")
+    train.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    train.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m", "paper"),
+                       help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m,paper; tiny is the CPU variant)")
+    train.add_argument("--models", type=_names(MODELS, "--models"), default=MODELS, help="nsa, dense or both")
+    train.add_argument("--seq-lens", type=parse_seq_lens, default=DEFAULT_SEQ_LENS,
+                       help="comma list (default 2k,8k,16k,32k,64k)")
+    train.add_argument("--tokens-per-step", type=_positive_int, default=65536,
+                       help="tokens per optimizer step at every seq_len (default 64k)")
+    train.add_argument("--micro-batch-tokens", dest="micro_tokens", type=_positive_int, default=16384,
+                       help="at most this many tokens per micro-step (at least one sequence), the rest by gradient "
+                            "accumulation (default 16k)")
+    train.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles; default 2)")
+    train.add_argument("--steps", type=int, default=10, help="timed steps per case (default 10)")
+    train.add_argument("--budget-s", type=float, default=420.0,
+                       help="wall-clock budget: a case that would end past it is skipped (default 420 s)")
+    train.add_argument("--activation-checkpointing", action="store_true",
+                       help="train.activation_checkpointing for both models (default off)")
+    train.add_argument("--merge", action="store_true", help="keep the rows of --out that this sweep does not measure")
+    train.add_argument("--out", type=Path, default=DEFAULT_TRAIN_OUT,
+                       help="writes train.csv, train.json, train.md, train.png here (default reports/perf/train)")
+
+    rep = sub.add_parser("train-report", help="regenerate train.md and train.png from a train.csv")
+    rep.add_argument("--out", type=Path, default=DEFAULT_TRAIN_OUT,
+                     help="folder holding train.csv and train.json (default reports/perf/train)")
+
+    prof = sub.add_parser("train-profile", help="where one training step's time goes (torch.profiler, by region)")
+    prof.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    prof.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m",),
+                      help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m)")
+    prof.add_argument("--models", type=_names(MODELS, "--models"), default=("nsa",),
+                      help="nsa (default), dense or both")
+    prof.add_argument("--seq-len", type=_positive_int, default=16384, help="default 16k")
+    prof.add_argument("--tokens-per-step", type=_positive_int, default=65536, help="default 64k, as `perf train`")
+    prof.add_argument("--micro-batch-tokens", dest="micro_tokens", type=_positive_int, default=16384,
+                      help="default 16k, as `perf train`")
+    prof.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    prof.add_argument("--timed", type=int, default=5, help="steps timed without the profiler (default 5)")
+    prof.add_argument("--profiled", type=int, default=2, help="steps under torch.profiler (default 2)")
+    prof.add_argument("--out", type=Path, default=DEFAULT_TRAIN_PROFILE_OUT,
+                      help="writes train_profile.json and train_profile.md here (default reports/perf/train_profile)")
+
+
+def cmd_train(args) -> int:
+    from .train_bench import ERROR, run_sweep
+
+    rows, _ = run_sweep(args, _device(args.device))
+    return EXIT_CASE_ERROR if any(r.status == ERROR for r in rows) else 0
+
+
+def cmd_train_report(args) -> int:
+    from .train_report import make_report
+
+    paths = make_report(args.out)
+    print(f"perf train-report: wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def cmd_train_profile(args) -> int:
+    from .train_profile import run_profiles
+
+    run_profiles(args, _device(args.device))
+    return 0

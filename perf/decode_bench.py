@@ -1,4 +1,4 @@
-"""Decode-step latency of NSA (optimized.decode) against SDPA full-attention decode over the same cache (issue 6).
+"""Decode-step latency of NSA (optimized.decode) against SDPA full-attention decode over the same cache.
 
 For each context s and batch B: an NSADecodeCache (bf16, 64 query heads in 4 KV groups, d_k = d_v = 128, the paper's
 l, d, l', n, w, phi = MLP) is filled with s - 1 random tokens; one decode step then appends token s - 1 (Table 4's
@@ -6,15 +6,18 @@ step at context s) and the next ones. Both sides run as CUDA graphs and are time
 replay, after an L2 flush, median over the timed steps:
 - NSA: DecodeGraph replays of cache.step: on the kernel path the lean step (docs/decode.md): six Triton launches
   (append to the three branch caches, compressed splits, Eq. 8-10 scores, Eq. 11 lists, selected + window splits,
-  gates), plus the Eq. 7 emission in torch on the steps that complete a compressed block;
+  gates), plus the Eq. 7 emission on the steps that complete a compressed block (one step in d);
 - SDPA: the new key/value written into the same selection-branch history, then
   F.scaled_dot_product_attention over its first s keys; the faster of two GQA forms (the 16 query heads of a KV
   group as 16 query rows of it, or enable_gqa=True) is the baseline.
+Both sides run --steps consecutive steps (default 64, so a case includes 64 / d emission steps) after --warmup
+untimed ones; the report gives the MEAN step (what decoding a sequence costs, emission steps included) and judges
+the speedup by it (SDPA mean / NSA mean), with the median and the NSA step split by emission beside it.
 Reads: the tokens the first NSA step gathered (counted by the kernels), next to Table 4's model s/d + n*l' + w.
 
-    python -m perf.decode_bench                      # H100 sweep -> $OUT/decode or reports/decode
+    python -m perf.decode_bench                      # H100 sweep -> reports/decode (or --out DIR)
     python -m perf.decode_bench --compile            # the same with the torch stages through torch.compile
-    python -m perf.decode_bench --device cpu --tiny  # CPU smoke run of the same code paths (eager, no graphs)
+    python -m perf.decode_bench --device cpu --tiny --out /tmp/decode  # CPU smoke run (eager, no graphs)
 
 Writes decode_bench.csv, decode_bench.md (table next to Table 4), decode_bench.png and decode_bench.json.
 """
@@ -24,13 +27,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import platform
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -42,22 +44,33 @@ from optimized.decode.graph import DecodeGraph
 from reference.config import NSAConfig
 from reference.contract import KV, BranchKV, PhiWeights
 
+from .outputs import DECODE_OUT
+from .plots import annotate_points, legend_below, pyplot, save, tokens_label, unity_line
+from .results import parse_cell
+from .timing import Timer
+
 TABLE_4 = {8192: (2048, 4.0), 16384: (2560, 6.4), 32768: (3584, 9.1), 65536: (5632, 11.6)}
 FLUSH_BYTES = 256 * 2**20  # > H100 L2 (50 MiB)
+CPU_FLUSH_BYTES = 4 * 2**20
+MIN_STEPS = 64  # consecutive steps a reported mean needs (64 / d emission steps among them)
+GOALS = {(65536, 16): 5.8, (65536, 1): 4.0}  # (context, batch) -> mean speedup over SDPA decode to reach
 
 
 @dataclass
 class Case:
     context: int
     batch: int
+    nsa_mean_us: float | None = None  # over every timed step, emission steps included
     nsa_median_us: float | None = None
-    nsa_mean_us: float | None = None
     nsa_median_no_emit_us: float | None = None
     nsa_median_emit_us: float | None = None
+    emission_steps: int | None = None
+    sdpa_mean_us: float | None = None
     sdpa_median_us: float | None = None
     sdpa_form: str = ""
-    sdpa_forms_us: dict = field(default_factory=dict)
-    measured_speedup: float | None = None
+    sdpa_forms_us: dict = field(default_factory=dict)  # form -> mean step
+    measured_speedup: float | None = None  # SDPA mean / NSA mean: the number the report judges by
+    median_speedup: float | None = None  # SDPA median / NSA median
     reads_cmp: int | None = None
     reads_slc: int | None = None
     reads_win: int | None = None
@@ -82,25 +95,6 @@ def bench_config(tiny: bool) -> NSAConfig:
 def modelled_tokens(cfg: NSAConfig, context: int) -> int:
     """Table 4's model: s/d + n*l' + w."""
     return context // cfg.cmp_stride + cfg.n_sel * cfg.sel_block + cfg.window
-
-
-class Timer:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device) if device.type == "cuda" else None
-
-    def time_us(self, fn) -> float:
-        if self.device.type != "cuda":
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e6
-        self.flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3
 
 
 def random_tokens(cfg: NSAConfig, B: int, T: int, dtype, device, g: torch.Generator) -> BranchKV:
@@ -149,7 +143,7 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
         L = cache.lengths
         emit = bool((complete_blocks(L + 1, cfg) > complete_blocks(L, cfg)).any())
         box = {}
-        us = timer.time_us(lambda: box.setdefault("out", nsa_step(emit)))
+        us = timer.once_ms(lambda: box.setdefault("out", nsa_step(emit))) * 1e3
         if i == 0:  # the step at position context - 1: Table 4's decode step at context s
             reads = box["out"].reads
             case.reads_cmp, case.reads_slc, case.reads_win = (int(r[0, 0, 0]) for r in (reads.cmp, reads.slc,
@@ -162,6 +156,7 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
     case.nsa_mean_us = statistics.fmean(times)
     no_emit = [t for t, e in zip(times, emits) if not e]
     with_emit = [t for t, e in zip(times, emits) if e]
+    case.emission_steps = len(with_emit)
     case.nsa_median_no_emit_us = statistics.median(no_emit) if no_emit else None
     case.nsa_median_emit_us = statistics.median(with_emit) if with_emit else None
     case.reads_total = case.reads_cmp + case.reads_slc + case.reads_win
@@ -169,14 +164,19 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
     if device.type == "cuda":
         del graph
     sdpa_forms = sdpa_decode(cache, q, new, context, device)
+    sdpa_times = {}
     for name, fn in sdpa_forms.items():
         try:
-            case.sdpa_forms_us[name] = median_us(fn, args, device, timer)
+            sdpa_times[name] = step_times_us(fn, args, device, timer)
         except (RuntimeError, TypeError) as exc:  # a form this torch build does not support
             case.note += f"{name}: {str(exc).splitlines()[0][:80]}; "
+    case.sdpa_forms_us = {name: statistics.fmean(t) for name, t in sdpa_times.items()}
     if case.sdpa_forms_us:
-        case.sdpa_form, case.sdpa_median_us = min(case.sdpa_forms_us.items(), key=lambda kv: kv[1])
-        case.measured_speedup = case.sdpa_median_us / case.nsa_median_us
+        case.sdpa_form = min(case.sdpa_forms_us, key=case.sdpa_forms_us.get)
+        case.sdpa_mean_us = case.sdpa_forms_us[case.sdpa_form]
+        case.sdpa_median_us = statistics.median(sdpa_times[case.sdpa_form])
+        case.measured_speedup = case.sdpa_mean_us / case.nsa_mean_us
+        case.median_speedup = case.sdpa_median_us / case.nsa_median_us
     if context in TABLE_4 and cfg.n_sel * cfg.sel_block == 1024:
         case.table4_tokens, case.table4_speedup = TABLE_4[context]
     else:
@@ -211,7 +211,8 @@ def sdpa_decode(cache: NSADecodeCache, q: torch.Tensor, new: BranchKV, context: 
     return {"group-rows": group_rows, "enable_gqa": enable_gqa}
 
 
-def median_us(fn, args, device: torch.device, timer: Timer) -> float:
+def step_times_us(fn, args, device: torch.device, timer: Timer) -> list[float]:
+    """--steps consecutive timed calls of fn (a CUDA graph of it on CUDA) after --warmup untimed ones, in us."""
     if device.type == "cuda":
         for _ in range(2):
             fn()
@@ -224,11 +225,13 @@ def median_us(fn, args, device: torch.device, timer: Timer) -> float:
         run = fn
     for _ in range(args.warmup):
         run()
-    return statistics.median(timer.time_us(run) for _ in range(args.steps))
+    return [timer.once_ms(run) * 1e3 for _ in range(args.steps)]
 
 
 def environment(device: torch.device, args) -> dict:
     import triton
+
+    from .env import nvidia_smi
 
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}",
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
@@ -236,113 +239,165 @@ def environment(device: torch.device, args) -> dict:
             "warmup": args.warmup, "dtype": "bf16" if device.type == "cuda" else "fp32",
             "timing": ("both sides CUDA graphs, CUDA-event time per step after an L2 flush" if device.type == "cuda"
                        else "CPU smoke run: eager steps, perf_counter time per step"),
-            "l2_flush_bytes": FLUSH_BYTES, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "l2_flush_bytes": FLUSH_BYTES if device.type == "cuda" else CPU_FLUSH_BYTES}
     if device.type == "cuda":
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        smi = nvidia_smi(device.index or 0) or {}
+        info.update({f"smi_{k}": v for k, v in smi.items() if k in ("clocks.sm", "clocks.max.sm", "clocks.mem",
+                                                                      "power.limit", "driver_version")})
     return info
 
 
-def report_dir(out: str | None, folder: str = "decode") -> Path:
-    """Where the perf tools other than `perf run` write: `out` if given, else $OUT/<folder> on a lent GPU, else
-    reports/<folder> ("decode": the decode bench, profile and probes; "perf": the prefill probe and layer profile)."""
-    if out:
-        return Path(out)
-    return Path(os.environ["OUT"]) / folder if os.environ.get("OUT") else Path("reports") / folder
-
-
-def write_probe_report(out_dir: Path, name: str, timing: str, results: list[dict]) -> None:
-    """A kernel probe's results as out_dir/<name>.json, with the GPU and versions they came from."""
-    import triton
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "timing": timing, "results": results}, indent=2))
+CSV_FILE, JSON_FILE, MD_FILE, PNG_FILE = "decode_bench.csv", "decode_bench.json", "decode_bench.md", "decode_bench.png"
 
 
 def write_reports(out_dir: Path, cases: list[Case], env: dict, cfg: NSAConfig) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [asdict(c) for c in cases]
-    with open(out_dir / "decode_bench.csv", "w", newline="") as fh:
+    with open(out_dir / CSV_FILE, "w", newline="") as fh:
         fields = [k for k in rows[0] if k != "sdpa_forms_us"] + ["sdpa_forms_us"] + list(env)
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "sdpa_forms_us": json.dumps(row["sdpa_forms_us"]), **env})
-    (out_dir / "decode_bench.json").write_text(json.dumps({"environment": env, "config": cfg.to_dict(),
-                                                            "cases": rows}, indent=2))
-    (out_dir / "decode_bench.md").write_text(markdown(cases, env, cfg))
-    plot(out_dir / "decode_bench.png", cases, env)
+    (out_dir / JSON_FILE).write_text(json.dumps({"environment": env, "config": cfg.to_dict(), "cases": rows},
+                                                indent=2))
+    write_summaries(out_dir, cases, env, cfg)
+
+
+def write_summaries(out_dir: Path, cases: list[Case], env: dict, cfg: NSAConfig) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MD_FILE).write_text(markdown(cases, env, cfg))
+    plot(out_dir / PNG_FILE, cases, env)
+
+
+_CASE_TYPES = {f.name: f.type for f in fields(Case)}
+
+
+def read_cases(path: Path) -> tuple[list[Case], dict]:
+    """The cases of a decode_bench.csv (columns it lacks stay None) and the environment columns of its first row."""
+    with open(path, newline="") as fh:
+        records = list(csv.DictReader(fh))
+    cases = []
+    for rec in records:
+        values = {}
+        for name, kind in _CASE_TYPES.items():
+            text = rec.get(name)
+            if text is None or text == "":
+                continue
+            values[name] = json.loads(text) if name == "sdpa_forms_us" else parse_cell(kind, text)
+        cases.append(Case(**values))
+    env = {k: v for k, v in (records[0] if records else {}).items() if k not in _CASE_TYPES}
+    return cases, env
 
 
 def fmt(x, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def fmt_x(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}x"
+
+
 def markdown(cases: list[Case], env: dict, cfg: NSAConfig) -> str:
+    clocks = (f" (SM clock {env['smi_clocks.sm']} MHz of {env.get('smi_clocks.max.sm', '?')}, driver "
+              f"{env.get('smi_driver_version', '?')})" if env.get("smi_clocks.sm") else "")
     lines = [
         "# NSA decode step vs SDPA full-attention decode",
         "",
-        f"{env['device']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; {env['date']}.",
-        f"{env['dtype']}, {cfg.n_heads} query heads in {cfg.n_kv_heads} KV groups, d_k = {cfg.head_dim_qk}, "
+        f"{env.get('device', '?')}{clocks}; torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, CUDA "
+        f"{env.get('cuda', '?')}.",
+        f"{env.get('dtype', '?')}, {cfg.n_heads} query heads in {cfg.n_kv_heads} KV groups, d_k = {cfg.head_dim_qk}, "
         f"d_v = {cfg.head_dim_v}; l = {cfg.cmp_block}, d = {cfg.cmp_stride}, l' = {cfg.sel_block}, n = {cfg.n_sel}, "
-        f"w = {cfg.window}, phi = {cfg.phi}. {env['timing']}, median of {env['steps']} steps after {env['warmup']} "
-        f"warm-up steps; torch.compile of the NSA torch stages: {env['compile']}; lean step (docs/decode.md): "
+        f"w = {cfg.window}, phi = {cfg.phi}. {env.get('timing', '')}; {env.get('steps', '?')} consecutive steps after "
+        f"{env.get('warmup', '?')} warm-up steps, emission steps (one in d) included; torch.compile of the NSA torch "
+        f"stages: {env.get('compile', '?')}; lean step (docs/decode.md): "
         f"{', '.join(sorted({'yes' if c.lean else 'no' for c in cases if c.timed_steps})) or '-'}.",
         "",
-        "| context | batch | NSA step (us) | NSA mean (us) | SDPA (us) | measured speedup | counted reads "
-        "(cmp+slc+win) | counted speedup | Table 4 tokens | Table 4 speedup |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Speedup = SDPA mean step / NSA mean step: the mean is what decoding a sequence costs (the steps that emit a "
+        "compressed token included); the median speedup is beside it.",
+        "",
+        "| context | batch | NSA mean (us) | NSA median (us) | SDPA mean (us) | SDPA median (us) | speedup (mean) | "
+        "speedup (median) | counted reads (cmp+slc+win) | counted speedup | Table 4 tokens | Table 4 speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         reads = "-" if c.reads_total is None else f"{c.reads_total} ({c.reads_cmp}+{c.reads_slc}+{c.reads_win})"
-        sdpa = "-" if c.sdpa_median_us is None else f"{c.sdpa_median_us:.1f} ({c.sdpa_form})"
-        lines.append(f"| {c.context} | {c.batch} | {fmt(c.nsa_median_us)} | {fmt(c.nsa_mean_us)} | {sdpa} | "
-                     f"{fmt(c.measured_speedup, 2)}x | {reads} | {fmt(c.counted_speedup, 2)}x | "
-                     f"{c.table4_tokens or '-'} | {fmt(c.table4_speedup, 1)}x |" + (f" {c.note}" if c.note else ""))
-    lines += ["", "NSA step medians split by whether the step emitted a compressed token (1 step in d):", "",
-              "| context | batch | no emission (us) | with emission (us) | setup (s) |", "|---|---|---|---|---|"]
+        sdpa = "-" if c.sdpa_mean_us is None else f"{c.sdpa_mean_us:.1f} ({c.sdpa_form})"
+        lines.append(f"| {c.context} | {c.batch} | {fmt(c.nsa_mean_us)} | {fmt(c.nsa_median_us)} | {sdpa} | "
+                     f"{fmt(c.sdpa_median_us)} | {fmt_x(c.measured_speedup)} | {fmt_x(c.median_speedup)} | {reads} "
+                     f"| {fmt_x(c.counted_speedup)} | {c.table4_tokens or '-'} | {fmt_x(c.table4_speedup, 1)} |"
+                     + (f" {c.note}" if c.note else ""))
+    lines += ["", "NSA step split by whether the step emitted a compressed token:", "",
+              "| context | batch | timed steps | emission steps | median, no emission (us) | median, emission (us) | "
+              "setup (s) |", "|---|---|---|---|---|---|---|"]
     for c in cases:
-        lines.append(f"| {c.context} | {c.batch} | {fmt(c.nsa_median_no_emit_us)} | {fmt(c.nsa_median_emit_us)} | "
-                     f"{c.setup_s:.1f} |")
-    goal = [c for c in cases if c.context == 65536 and c.measured_speedup is not None]
-    if goal:
-        lines += ["", "Goal (issue 6): measured speedup at 64k >= 11.6 / 2 = 5.8x: " + ", ".join(
-            f"batch {c.batch}: {c.measured_speedup:.2f}x ({'met' if c.measured_speedup >= 5.8 else 'not met'})"
-            for c in goal)]
+        emitted = "-" if c.emission_steps is None else c.emission_steps
+        lines.append(f"| {c.context} | {c.batch} | {c.timed_steps} | {emitted} | {fmt(c.nsa_median_no_emit_us)} | "
+                     f"{fmt(c.nsa_median_emit_us)} | {c.setup_s:.1f} |")
+    lines += ["", "Goals (speedup of the mean step over SDPA decode):", ""]
+    for (context, batch), goal in GOALS.items():
+        case = next((c for c in cases if c.context == context and c.batch == batch), None)
+        head = f"- {tokens_label(context)} context, batch {batch}: >= {goal}x: "
+        if case is None or case.measured_speedup is None:
+            why = "not run" if case is None else (case.note or "no mean step of both sides")
+            lines.append(head + f"NOT MEASURED ({why})")
+            continue
+        few = f" (only {case.timed_steps} steps, fewer than {MIN_STEPS})" if case.timed_steps < MIN_STEPS else ""
+        lines.append(head + f"measured {case.measured_speedup:.2f}x ({fmt(case.sdpa_mean_us)} / "
+                     f"{fmt(case.nsa_mean_us)} us){few}: " + ("MET" if case.measured_speedup >= goal else "NOT MET"))
     return "\n".join(lines) + "\n"
 
 
 def plot(path: Path, cases: list[Case], env: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_speed, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
+    plt = pyplot()
+    fig, (ax_speed, ax_lat) = plt.subplots(1, 2, figsize=(14, 4.8))
     contexts = sorted({c.context for c in cases})
     model = sorted({(c.context, c.table4_speedup) for c in cases if c.table4_speedup is not None})
-    ax_speed.plot([m[0] for m in model], [m[1] for m in model], "k--", marker="x", label="Table 4 model")
-    for batch in sorted({c.batch for c in cases}):
-        sel = [c for c in cases if c.batch == batch and c.measured_speedup is not None]
-        ax_speed.plot([c.context for c in sel], [c.measured_speedup for c in sel], marker="o",
-                      label=f"measured, batch {batch}")
-        ax_lat.plot([c.context for c in sel], [c.nsa_median_us for c in sel], marker="o", label=f"NSA, batch {batch}")
-        ax_lat.plot([c.context for c in sel], [c.sdpa_median_us for c in sel], marker="s", linestyle=":",
-                    label=f"SDPA, batch {batch}")
+    if model:
+        ax_speed.plot([m[0] for m in model], [m[1] for m in model], "k--", marker="x", label="Table 4 model")
+    for color, batch in zip(("tab:blue", "tab:green", "tab:purple", "tab:brown"), sorted({c.batch for c in cases})):
+        sel = [c for c in cases if c.batch == batch and c.nsa_mean_us is not None]
+        mean = [c for c in sel if c.measured_speedup is not None]
+        if mean:
+            ax_speed.plot([c.context for c in mean], [c.measured_speedup for c in mean], marker="o", color=color,
+                          label=f"measured (mean step), batch {batch}")
+            annotate_points(ax_speed, [c.context for c in mean], [c.measured_speedup for c in mean],
+                            [f"{c.measured_speedup:.2f}x" for c in mean], 6, color)
+        median = [c for c in sel if c.measured_speedup is None and c.median_speedup is not None]
+        if median:
+            ax_speed.plot([c.context for c in median], [c.median_speedup for c in median], marker="s", color=color,
+                          linestyle=":", label=f"measured (median step; no mean of SDPA), batch {batch}")
+            annotate_points(ax_speed, [c.context for c in median], [c.median_speedup for c in median],
+                            [f"{c.median_speedup:.2f}x" for c in median], 6, color)
+        if sel:
+            ax_lat.plot([c.context for c in sel], [c.nsa_mean_us for c in sel], marker="o", color=color,
+                        label=f"NSA mean step, batch {batch}")
+        sdpa = [c for c in sel if (c.sdpa_mean_us or c.sdpa_median_us)]
+        if sdpa:
+            ax_lat.plot([c.context for c in sdpa], [c.sdpa_mean_us or c.sdpa_median_us for c in sdpa], marker="s",
+                        color=color, linestyle=":",
+                        label=f"SDPA {'mean' if sdpa[0].sdpa_mean_us else 'median'} step, batch {batch}")
+    for (context, batch), goal in GOALS.items():
+        ax_speed.plot([context], [goal], marker="*", color="red", markersize=11, linestyle="none",
+                      label="goal (mean step)" if (context, batch) == next(iter(GOALS)) else None)
+        ax_speed.annotate(f"goal, batch {batch}: {goal}x", (context, goal), textcoords="offset points",
+                          xytext=(8, -3), fontsize=7, color="red")
+    unity_line(ax_speed, "SDPA (1x)")
+    ax_speed.set_ylim(bottom=0)
+    ax_speed.margins(y=0.15)
+    ax_speed.set_ylabel("speedup over SDPA decode (x)")
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("decode step latency (µs, log scale)")
     for ax in (ax_speed, ax_lat):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
-        ax.set_xlabel("context (tokens)")
+        ax.set_xticks(contexts, [tokens_label(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_xlabel("context (tokens, log scale)")
         ax.grid(True, alpha=0.3)
-        ax.legend()
-    ax_speed.set_ylabel("speedup over SDPA full attention (x)")
-    ax_lat.set_ylabel("decode step latency (us)")
-    ax_lat.set_yscale("log")
-    fig.suptitle(f"NSA decode step vs SDPA, {env['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        legend_below(ax, fontsize=8)
+    fig.suptitle(f"NSA decode step vs SDPA, {env.get('device', '?')}")
+    save(fig, path, plt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--contexts", default=None, help="comma-separated (default 8k..128k; --tiny: 256,512)")
     parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--steps", type=int, default=48, help="timed decode steps per case")
+    parser.add_argument("--steps", type=int, default=MIN_STEPS,
+                        help=f"consecutive timed decode steps per case (default {MIN_STEPS}; a reported mean needs "
+                             f">= {MIN_STEPS}, so that 64 / d emission steps are among them)")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps before them (the first gives the reads)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="run the NSA torch stages through torch.compile inside the graphs (the lean step's "
@@ -359,24 +416,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small config and contexts (CPU smoke run)")
     parser.add_argument("--budget-s", type=float, default=270.0, help="skip cases that would start after this many "
                         "seconds (keeps the sweep under ~6 minutes)")
-    parser.add_argument("--out", default=None, help="output directory (default: $OUT/decode, else reports/decode)")
+    parser.add_argument("--out", type=Path, default=DECODE_OUT,
+                        help="writes decode_bench.csv/.json/.md/.png here (default reports/decode)")
+    parser.add_argument("--report-from", type=Path, metavar="CSV",
+                        help="time nothing: rewrite decode_bench.md and .png in --out from this decode_bench.csv (and "
+                             "the environment and config of the decode_bench.json beside it)")
     args = parser.parse_args(argv)
+    if args.report_from is not None:
+        cases, env = read_cases(args.report_from)
+        saved = args.report_from.with_name(JSON_FILE)  # its environment and config, when it is there
+        meta = json.loads(saved.read_text()) if saved.exists() else {}
+        env = meta.get("environment", env)
+        cfg = NSAConfig.from_dict(meta["config"]) if "config" in meta else bench_config(tiny=False)
+        write_summaries(args.out, cases, env, cfg)
+        print(f"wrote {args.out}/decode_bench.{{md,png}} from {args.report_from}")
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("decode_bench: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
         return 2
+    if args.steps < MIN_STEPS:
+        print(f"decode_bench: note: {args.steps} timed steps, fewer than the {MIN_STEPS} a reported mean needs",
+              file=sys.stderr)
     cfg = bench_config(args.tiny)
     contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts else
                 [256, 512] if args.tiny else [8192, 16384, 32768, 65536, 131072])
     batches = [int(b) for b in args.batches.split(",")]
-    out_dir = report_dir(args.out)
+    out_dir = args.out
     if args.compile and device.type == "cuda":
         from torch import _dynamo
 
         for name in ("cache_size_limit", "recompile_limit"):  # one compilation per (batch, context) shape
             if hasattr(_dynamo.config, name):
                 setattr(_dynamo.config, name, 256)
-    timer = Timer(device)
+    timer = Timer(device, FLUSH_BYTES if device.type == "cuda" else CPU_FLUSH_BYTES)
     env = environment(device, args)
     start = time.perf_counter()
     cases: list[Case] = []
@@ -403,8 +476,9 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 case = Case(context, batch, note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
             cases.append(case)
-            print(f"context {context:>6} batch {batch:>2}: NSA {fmt(case.nsa_median_us)} us, SDPA "
-                  f"{fmt(case.sdpa_median_us)} us ({case.sdpa_form}), speedup {fmt(case.measured_speedup, 2)}x, "
+            print(f"context {context:>6} batch {batch:>2}: NSA mean {fmt(case.nsa_mean_us)} us (median "
+                  f"{fmt(case.nsa_median_us)}), SDPA mean {fmt(case.sdpa_mean_us)} us ({case.sdpa_form}), speedup "
+                  f"{fmt_x(case.measured_speedup)} (median {fmt_x(case.median_speedup)}), "
                   f"reads {case.reads_total}, setup {case.setup_s:.1f} s, elapsed {time.perf_counter() - start:.0f} s"
                   + (f" [{case.note}]" if case.note else ""), flush=True)
             if device.type == "cuda":

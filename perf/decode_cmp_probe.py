@@ -1,14 +1,14 @@
-"""The lean decode step's compressed split kernel alone, under other launch shapes (issue 6; a GPU diagnostic).
+"""The lean decode step's compressed split kernel alone, under other launch shapes (a GPU diagnostic).
 
-At 64k x 16 the kernel streams 134 MB of compressed keys/values and writes 17 MB of logits in ~63.5 us
-(~2.4 TB/s, reports/decode/logs); the step needs ~12 us less for issue 6's 5.8x. This probe times
+At 64k x 16 the kernel streams 134 MB of compressed keys/values and writes 17 MB of logits, the largest part of the
+step (docs/decode.md, "Measured"). This probe times
 optimized/kernels/decode_step_cmp._compressed_split_kernel on synthetic inputs of the paper layout (64 query heads in
 4 KV groups, d = 128, l = 32, d = 16, bf16) with the lean step's launch (64-key tiles, 4 warps, 2 stages, the
 policy's splits) and with other key-tile rows, warps, pipeline stages and split counts, each with its achieved
 bandwidth (keys/values read + logits written). The logits of every variant must equal the lean launch's bitwise
 (the same dot products; only the partials' split boundaries differ), so a variant is a drop-in launch change.
 
-    python -m perf.decode_cmp_probe          # on a GPU; prints a table, writes decode_cmp_probe.json
+    python -m perf.decode_cmp_probe [--out DIR]   # on a GPU; prints a table, writes decode_cmp_probe.json
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from pathlib import Path
 
 import torch
 import triton
@@ -25,7 +26,7 @@ from optimized.kernels.decode_step import BLOCK_N, CMP_STAGES, STEP_WARPS, equal
 from optimized.kernels.decode_step_cmp import _compressed_split_kernel
 from optimized.kernels.selected_attention_fwd import LOG2E
 
-from .decode_bench import report_dir, write_probe_report
+from .outputs import DECODE_OUT, write_probe_report
 
 HQ, HKV, D, CMP_BLOCK, CMP_STRIDE = 64, 4, 128, 32, 16
 LEAN = (BLOCK_N, STEP_WARPS, CMP_STAGES)  # the lean step's key-tile rows, warps and stages
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--splits-factor", default="1,2", help="splits as multiples of the policy's")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=DECODE_OUT,
+                        help="writes decode_cmp_probe.json here (default reports/decode)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     results = []
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                             "tb_per_s": round(moved / us / 1e6, 3), "logits_equal_lean": same})
             print(f"{batch:3d} x {context:6d}  {name:42s} {us:8.2f} us  {moved / us / 1e6:5.2f} TB/s"
                   f"{'  (lean launch)' if lean else ''}{'' if same else '  LOGITS DIFFER'}", flush=True)
-    write_probe_report(report_dir(args.out), "decode_cmp_probe", "triton.testing.do_bench median (warmup 25 ms, "
+    write_probe_report(args.out, "decode_cmp_probe", "triton.testing.do_bench median (warmup 25 ms, "
                        "rep 100 ms), L2 not flushed (134 MB > 50 MB L2)", results)
     return 0
 

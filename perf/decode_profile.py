@@ -1,4 +1,4 @@
-"""Where a lean decode step's time goes (issue 6): per-kernel device time of one step, and the step time under
+"""Where a lean decode step's time goes: per-kernel device time of one step, and the step time under
 other split counts, on a GPU.
 
 For each (context, batch): an NSADecodeCache as in perf.decode_bench (bf16, 64 query heads in 4 KV groups, d = 128,
@@ -9,7 +9,7 @@ the paper's l, d, l', n, w) filled with context - 1 tokens; then
   CUDA events after an L2 flush, median of --steps replays, for the default splits and each --variants entry.
 
     python -m perf.decode_profile --cases 8192x1,65536x1,65536x16 --variants cmp=8,cmp=32,lists=4
-Writes decode_profile.json (and prints a table) to $OUT/decode or reports/decode.
+Writes decode_profile.json (and prints a table) to --out (default reports/decode).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,8 @@ from optimized.decode.lean import step_rules
 from optimized.kernels.decode_step import StepSplits, default_step_splits, lean_decode_step
 from reference.contract import KV, BranchKV, PhiWeights
 
-from .decode_bench import FLUSH_BYTES, bench_config, report_dir
+from .decode_bench import FLUSH_BYTES, bench_config
+from .outputs import DECODE_OUT
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -134,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="8192x1,65536x1,65536x16,131072x16")
     parser.add_argument("--variants", default="", help="comma-separated split overrides, e.g. 'cmp=8;lists=4,win=1'")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=DECODE_OUT,
+                        help="writes decode_profile.json here (default reports/decode)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    out_dir = report_dir(args.out)
+    out_dir = args.out
     results = []
     for context, batch in parse_cases(args.cases):
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Where the lean decode step's selection (Eq. 8-11) spends its time (issue 6; a GPU diagnostic).
+"""Where the lean decode step's selection (Eq. 8-11) spends its time (a GPU diagnostic).
 
 The lean step scores the selection blocks in one launch (optimized/kernels/decode_step_cmp._score_kernel, Eq. 8-10
 into an fp32 [rows, blocks] buffer) and ranks them in another (_select_kernel, Eq. 11 lists). Before, one
@@ -7,18 +7,18 @@ on synthetic inputs of the paper layout (16 heads per KV group, l = 32, d = 16, 
 
 - step: the two launches as the lean step runs them; score only / select only: each launch alone;
 - select only, W warps: the select launch with W warps per program (Eq. 11 by top_n.top_n_by_rank's comparison
-  matrices instead of the bitonic top-k measured 12.0 against 7.3 us at 64k x 16, 2e8faa9:
-  reports/decode/logs/decode_select_probe_2026-11-25-2e8faa9.log);
+  matrices instead of the bitonic top-k measured 12.0 against 7.3 us at 64k x 16: perf/NOTES.md);
 - scores B / W: the two launches with B selection blocks per score program and W warps;
 - one launch: the previous single kernel (1 warp: scoring and ranking in one program).
 Every variant's lists are compared with the step's (equal unless the compiler fuses a multiply-add differently).
 
-    python -m perf.decode_select_probe            # on a GPU; prints a table, writes decode_select_probe.json
+    python -m perf.decode_select_probe [--out DIR]  # on a GPU; prints a table, writes decode_select_probe.json
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import triton
@@ -29,7 +29,7 @@ from optimized.kernels.decode_step_cmp import _chunk_scores, _score_kernel, _sel
 from optimized.kernels.decode_tiles import merge_stats, step_position, visible_cmp_count
 from optimized.kernels.top_n import EMPTY, rank_key, top_n_by_rank
 
-from .decode_bench import report_dir, write_probe_report
+from .outputs import DECODE_OUT, write_probe_report
 
 GROUP, HKV, N_SEL = 16, 4, 16
 CMP_BLOCK, CMP_STRIDE, SEL_BLOCK = tl.constexpr(32), tl.constexpr(16), tl.constexpr(64)  # l, d, l' (read by kernels)
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="1x65536x16x16,16x65536x16x4,16x131072x16x4",
                         help="batch x context x lists x compressed splits, comma-separated")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=DECODE_OUT,
+                        help="writes decode_select_probe.json here (default reports/decode)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     results = []
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                             "variant": variant, "median_us": round(us, 2), "lists_equal_step": same})
             print(f"{batch:3d} x {context:6d} lists {lists:2d} splits {splits:2d}  {variant:22s} {us:8.2f} us"
                   f"  lists equal to step: {same}", flush=True)
-    write_probe_report(report_dir(args.out), "decode_select_probe",
+    write_probe_report(args.out, "decode_select_probe",
                        "triton.testing.do_bench median (warmup 25 ms, rep 200 ms), L2 not flushed", results)
     return 0
 

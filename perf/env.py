@@ -1,8 +1,8 @@
-"""What machine and software a sweep ran on (recorded with every result file; read-only queries only)."""
+"""What machine and software a sweep ran on: GPU, clocks, versions (recorded with every result file; read-only
+queries only). Which tree was measured is the commit that adds the result files."""
 
 from __future__ import annotations
 
-import datetime
 import platform
 import re
 import shutil
@@ -31,16 +31,6 @@ def nvidia_smi(index: int) -> dict[str, str] | None:
     return dict(zip(NVIDIA_SMI_FIELDS, values))
 
 
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, check=True).stdout.strip()
-    except (subprocess.SubprocessError, OSError):
-        return None
-    return out.stdout.strip() + ("-dirty" if dirty else "")
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -60,8 +50,6 @@ def describe(device: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "git_commit": git_commit(),
-        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     try:
         import triton

@@ -3,15 +3,15 @@
 FLOPs (forward) of an attention branch = 2 * (d_k + d_v) per (query head, key) pair: one multiply-add per
 element of q.k (d_k) and of p.v (d_v). Pairs per branch:
 - full causal attention (SDPA): T(T+1)/2 per head;
-Packed batches (the "packed" workload, issue 9): every count is per document and summed over the documents
-(StageWork(lengths=...)), since nothing attends across a document boundary.
 - compressed (Eq. 7): the compressed blocks visible to each query, sum over p of N_cmp(p);
 - window (Sec. 3.3.3): sum over p of min(p + 1, window size);
 - selected (Eq. 12): tokens of the selected blocks clipped to <= p, COUNTED from the index tensor the
   implementation produced, per (p, group), times the group size (every head of a group reads the same tokens).
 Scoring (Eq. 8) costs 2 * d_k per (head, visible compressed key) for q.k_cmp; Eq. 9-11 pooling and top-n are
 not matmul work and are not counted. phi "mlp" (Eq. 7) costs 2 * (l*D*hidden + hidden*D) per block and KV
-head for keys and for values. The gated sum (Eq. 5) has no matmul work.
+head for keys and for values. The gated sum (Eq. 5) has no matmul work. Packed batches (the "packed" workload):
+every count is per document and summed over the documents (StageWork(lengths=...)), since nothing attends across
+a document boundary.
 
 Backward convention (stated, not counted): attention branches 2.5x their forward FLOPs (FlashAttention's
 5 backward matmuls against 2 forward ones), the phi MLP 2x (dX and dW), selection 0 (top-n is discrete,
@@ -186,22 +186,33 @@ class StageWork:
         fwd = 3 * self._o() + gates + self._o()
         return Work(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=fwd, bwd_bytes=fwd + 3 * self._o() + gates)
 
-    def layer(self, token_count: int | None) -> Work | None:
-        """Sum of the stages' FLOPs; bytes = the layer's own inputs (q, three branches' k/v, gates, phi) and
-        output, as a fully fused layer would move them (intermediates stay on chip)."""
-        selected = self.selected(token_count)
-        if selected is None:
+    def layer(self, token_count: int | None, branches: tuple[str, ...] = ("cmp", "slc", "win")) -> Work | None:
+        """Sum of the stages' FLOPs; bytes = the layer's own inputs (q, the computed branches' k/v, gates, phi) and
+        output, as a fully fused layer would move them (intermediates stay on chip). branches: the layer run
+        without some branch (nsa_forward(branches=...)) does none of its work; compression and scoring stay
+        whenever the selected branch runs (Eq. 8-11 select from the compressed keys)."""
+        selected = self.selected(token_count) if "slc" in branches else None
+        if selected is None and "slc" in branches:
             return None
-        flops = sum((w for w in (self.compress(), self.cmp_attn(), self.select(), selected, self.window())),
-                    Work(0.0, 0.0, 0.0, 0.0))
+        stages = []
+        if "cmp" in branches or "slc" in branches:
+            stages.append(self.compress())
+        if "cmp" in branches:
+            stages.append(self.cmp_attn())
+        if "slc" in branches:
+            stages += [self.select(), selected]
+        if "win" in branches:
+            stages.append(self.window())
+        flops = sum(stages, Work(0.0, 0.0, 0.0, 0.0))
         gates = self.B * self.T * self.cfg.n_heads * 3 * self.e
-        in_bytes = self._q() + 3 * self._kv() + gates
+        in_bytes = self._q() + len(branches) * self._kv() + gates
         return Work(fwd_flops=flops.fwd_flops, bwd_flops=flops.bwd_flops, fwd_bytes=in_bytes + self._o(),
                     bwd_bytes=2 * in_bytes + 2 * self._o())
 
-    def stage(self, name: str, token_count: int | None) -> Work | None:
+    def stage(self, name: str, token_count: int | None,
+              branches: tuple[str, ...] = ("cmp", "slc", "win")) -> Work | None:
         if name == "selected":
             return self.selected(token_count)
         if name == "layer":
-            return self.layer(token_count)
+            return self.layer(token_count, branches)
         return getattr(self, name)()

@@ -4,7 +4,9 @@ An NSA implementation is any module exposing the contract's stage functions unde
 (docs/api.md): by default `optimized`, i.e. whatever the optimized package dispatches to (Triton kernels on
 CUDA, the vectorized path on CPU), so the runner measures the kernels as they improve without changes here.
 `--impls` names it `nsa`; `nsa[backend=torch,chunk_size=4096]` passes keyword arguments to every stage
-function whose signature accepts them (e.g. to time the vectorized path on the GPU next to the kernels).
+function whose signature accepts them (e.g. to time the vectorized path on the GPU next to the kernels); a value
+with `+` is a tuple: `nsa[branches=cmp+slc]` is `nsa_forward(..., branches=("cmp", "slc"))`, the layer without its
+window branch. `fla` is fla-core's parallel_nsa (perf/peers.py), timed on the whole layer only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import importlib
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from reference.forward import gated_sum as reference_gated_sum
 
@@ -39,6 +41,8 @@ def resolve_target(spec: str) -> Any:
 
 
 def _parse_value(text: str) -> Any:
+    if "+" in text:
+        return tuple(_parse_value(part.strip()) for part in text.split("+"))
     if re.fullmatch(r"-?\d+", text):
         return int(text)
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
@@ -101,22 +105,34 @@ class NSAImplementation:
         return "own gated_sum" if callable(getattr(self.target, "gated_sum", None)) else "reference.forward.gated_sum"
 
 
-def parse_impls(text: str, nsa_target: str) -> tuple[bool, list[NSAImplementation]]:
-    """`sdpa,nsa,nsa[backend=torch]` -> (whether SDPA is timed, the NSA variants)."""
+class Impls(NamedTuple):
+    with_sdpa: bool
+    variants: list[NSAImplementation]
+    peers: list[Any]  # other libraries (perf.peers.FlaNSA)
+
+
+def parse_impls(text: str, nsa_target: str) -> Impls:
+    """`sdpa,nsa,nsa[backend=torch],fla` -> whether SDPA is timed, the NSA variants, the other libraries."""
+    from .peers import FLA, FlaNSA
+
     labels = [part.strip() for part in re.split(r",(?![^\[]*\])", text) if part.strip()]
     if not labels:
-        raise ValueError("--impls must name at least one implementation (sdpa, nsa, nsa[key=value,...])")
+        raise ValueError("--impls must name at least one implementation (sdpa, nsa, nsa[key=value,...], fla)")
     with_sdpa = False
     variants: list[NSAImplementation] = []
+    peers: list[Any] = []
     target = None
     for label in labels:
         match = _LABEL.match(label)
-        if not match or match["kind"] not in (SDPA, NSA):
-            raise ValueError(f"--impls entry {label!r} must be 'sdpa', 'nsa' or 'nsa[key=value,...]'")
-        if match["kind"] == SDPA:
+        if not match or match["kind"] not in (SDPA, NSA, FLA):
+            raise ValueError(f"--impls entry {label!r} must be 'sdpa', 'nsa', 'nsa[key=value,...]' or 'fla'")
+        if match["kind"] in (SDPA, FLA):
             if match["kwargs"] is not None:
-                raise ValueError(f"--impls entry {label!r}: sdpa takes no arguments")
-            with_sdpa = True
+                raise ValueError(f"--impls entry {label!r}: {match['kind']} takes no arguments")
+            if match["kind"] == SDPA:
+                with_sdpa = True
+            elif not any(p.label == FLA for p in peers):
+                peers.append(FlaNSA.load())
             continue
         kwargs = {}
         for item in filter(None, (match["kwargs"] or "").split(",")):
@@ -128,4 +144,4 @@ def parse_impls(text: str, nsa_target: str) -> tuple[bool, list[NSAImplementatio
         variants.append(NSAImplementation(label=label, target=target, kwargs=kwargs))
     if len({v.label for v in variants}) != len(variants):
         raise ValueError(f"--impls names the same NSA variant twice: {[v.label for v in variants]}")
-    return with_sdpa, variants
+    return Impls(with_sdpa, variants, peers)

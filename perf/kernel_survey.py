@@ -5,8 +5,8 @@ Triton compiles a kernel for GPUTarget("cuda", 90, 32) with the ptxas it ships, 
 the cubin's resource usage. Pointers and the integer arguments a real launch specialises get divisibility-16 hints,
 as at a launch. Must run without TRITON_INTERPRET (the interpreter replaces triton.jit functions).
 
-Why: the lean step's gate kernel at batch 1 measured 40-56 us on an H100 (reports/decode/logs, commit 09f9728)
-where it unrolled 24-32 [16 x 128] fp32 tiles; its sm_90 compile used 5-8 KB of stack per thread. The cases below
+Why: a version of the lean step's gate kernel that unrolled 24-32 [16 x 128] fp32 tiles measured 40-56 us at batch 1
+on an H100 (perf/NOTES.md); its sm_90 compile used 5-8 KB of stack per thread. The cases below
 are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
 l = 32, d = 16, l' = 64, n = 16) that matter for speed; `--require-no-spill` fails if any of them spills.
 
@@ -112,7 +112,7 @@ def lean_cases() -> list[Case]:
 def prefill_cases() -> list[Case]:
     """The range-kernel path's launches at the paper layout (16 heads per KV group, d_k = d_v = 128, bf16) with the
     tiles optimized/kernels/tiling.py picks: the group-scores kernel, the range forward, dq (consistent D) and
-    dk/dv. dk/dv's 32 x 128 tiles spill 8 B and measured fastest (perf/NOTES.md, 37152cf), so 8 B are allowed."""
+    dk/dv. dk/dv's 32 x 128 tiles spill 8 B and measured fastest (perf/NOTES.md), so 8 B are allowed."""
     from optimized.kernels.group_scores import _group_scores_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
     from optimized.kernels.range_attention_fwd import _range_attention_fwd_kernel

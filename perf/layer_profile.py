@@ -1,23 +1,24 @@
-"""Where the NSA layer's time goes, kernel by kernel (issue 8; a GPU diagnostic next to `perf run`'s stage rows).
+"""Where the NSA layer's time goes, kernel by kernel (a GPU diagnostic next to `perf run`'s stage rows).
 
 Runs the perf runner's own layer case (perf.cases.build_nsa_case, paper preset, bf16, batch 1) for one
 implementation and pass under torch.profiler, and reports for each GPU kernel its device time and launches per
 layer call, and the layer's wall time (CUDA events) next to its summed device time: a wall time well above the
 device time means the host (Python, launches, syncs) bounds the call, not the kernels.
 
-    python -m perf.layer_profile --seq-lens 8k,64k [--pass fwd] [--impl "nsa[range_backend=triton]"]
+    python -m perf.layer_profile --seq-lens 8k,64k [--pass fwd] [--impl "nsa[range_backend=torch]"] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from .cases import build_nsa_case, single_sequence_inputs
 from .cli import parse_seq_lens
-from .decode_bench import report_dir, write_probe_report
+from .outputs import PERF_OUT, write_probe_report
 from .implementations import parse_impls
 from .spec import preset
 
@@ -60,13 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=parse_seq_lens, default=(8192, 65536))
     parser.add_argument("--pass", dest="pass_name", choices=("fwd", "fwd_bwd"), default="fwd")
-    parser.add_argument("--impl", default="nsa[range_backend=triton]")
+    parser.add_argument("--impl", default="nsa", help="an --impls entry of `perf run` (default nsa: the defaults)")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=PERF_OUT,
+                        help="writes layer_profile_<pass>.json here (default reports/perf)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    _, (impl,) = parse_impls(args.impl, "optimized")
+    _, (impl,), _ = parse_impls(args.impl, "optimized")
     results = []
     for T in args.seq_lens:
         r = profile_case(impl, T, args.pass_name, args.calls, device)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in r["kernels"][:args.top]:
             print(f"  {k['ms_per_call']:9.3f} ms  {k['launches_per_call']:7.1f} x  {k['kernel']}", flush=True)
         torch.cuda.empty_cache()
-    write_probe_report(report_dir(args.out, "perf"), f"layer_profile_{args.pass_name}",
+    write_probe_report(args.out, f"layer_profile_{args.pass_name}",
                        f"torch.profiler device time summed over {args.calls} calls after 2 warm-up calls; wall: CUDA "
                        "events, median of the same number of calls (L2 not flushed)", results)
     return 0

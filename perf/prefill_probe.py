@@ -1,5 +1,5 @@
 """The prefill range-kernel path's select stage and range-attention forward at one T, under other launch shapes
-(issue 8; a GPU diagnostic, like perf.decode_cmp_probe for the decode step).
+(a GPU diagnostic, like perf.decode_cmp_probe for the decode step).
 
 What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, median), paper layout (64 q heads in
 4 KV groups, d_k = d_v = 128, l = 32, d = 16, l' = 64, n = 16, w = 512), bf16, batch 1:
@@ -11,7 +11,7 @@ What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, me
 - `range`: range_attention_forward (o and lse2) over the compressed branch's ranges and over the window's, per
   tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|;
 - `backward`: range_attention_backward over both branches' ranges with FlashAttention-2's D0 = rowsum(dO * O)
-  (the half-precision default before 2026-11-25) or the dq pass's consistent D, and other dk/dv tilings.
+  (an earlier half-precision default) or the dq pass's consistent D, and other dk/dv tilings.
 
     python -m perf.prefill_probe [--seq-len 65536]      # on a GPU; prints a table, writes prefill_probe.json
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 import triton
@@ -33,7 +34,7 @@ from optimized.kernels.tiling import RangeTiling, padded, range_tiling
 from optimized.ranges import CompressedSoftmax, compressed_ranges, window_ranges
 from reference.config import NSAConfig
 
-from .decode_bench import report_dir, write_probe_report
+from .outputs import PERF_OUT, write_probe_report
 from .flops import ATTENTION_BWD_FACTOR
 
 CFG = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--score-rows", type=int, default=8192, help="the last rows the scores probe reads")
     parser.add_argument("--probes", default="scores,selection,range,backward")
     parser.add_argument("--rep-ms", type=int, default=300, help="do_bench's timing window per variant")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=PERF_OUT,
+                        help="writes prefill_probe.json here (default reports/perf)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     x = _inputs(args.seq_len, device)
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in probes[name]():
             results.append(row)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    write_probe_report(report_dir(args.out, "perf"), "prefill_probe",
+    write_probe_report(args.out, "prefill_probe",
                        f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; T = {args.seq_len}, "
                        f"scores over the last {args.score_rows} rows", results)
     return 0

@@ -64,25 +64,43 @@ class Row:
 _FIELD_TYPES = {f.name: f.type for f in fields(Row)}
 
 
-def _parse(name: str, text: str) -> Any:
-    kind = _FIELD_TYPES[name]
-    if kind in ("str",):
+def parse_cell(kind: str, text: str) -> Any:
+    """One CSV cell back to the type a dataclass field declares (its annotation as a string): str, int, float or
+    bool, "| None" fields empty as None."""
+    if kind == "str":
         return text
     if text == "":
         return None if "None" in kind else 0
+    if kind.startswith("bool"):
+        return text == "True"
     if kind.startswith("int"):
         return int(float(text))
     return float(text)
 
 
-def write_rows(rows: list[Row], out_dir: Path, meta: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = [f.name for f in fields(Row)]
-    with open(out_dir / RESULTS_CSV, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=names)
+def write_csv(path: Path, rows: list[Any], cls: type) -> None:
+    """Dataclass rows of type cls as CSV, one column per field, floats to 6 significant digits."""
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=[f.name for f in fields(cls)])
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: _format(v) for k, v in row.to_dict().items()})
+            writer.writerow({k: _format(v) for k, v in dataclasses.asdict(row).items()})
+
+
+def read_csv(path: Path, cls: type) -> list[Any]:
+    """The rows write_csv wrote (a column cls does not declare is an error naming it)."""
+    types = {f.name: f.type for f in fields(cls)}
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        unknown = sorted(set(reader.fieldnames or []) - set(types))
+        if unknown:
+            raise ValueError(f"{path}: unknown column(s) {unknown}; expected {sorted(types)}")
+        return [cls(**{k: parse_cell(types[k], v) for k, v in rec.items()}) for rec in reader]
+
+
+def write_rows(rows: list[Row], out_dir: Path, meta: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(out_dir / RESULTS_CSV, rows, Row)
     with open(out_dir / RESULTS_JSON, "w") as fh:
         json.dump({"meta": meta, "rows": [r.to_dict() for r in rows]}, fh, indent=1, default=str)
     ceilings = meta.get("ceilings")
@@ -107,12 +125,7 @@ def read_rows(path: Path) -> list[Row]:
     if path.suffix == ".json":
         with open(path) as fh:
             return [Row(**r) for r in json.load(fh)["rows"]]
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        unknown = sorted(set(reader.fieldnames or []) - set(_FIELD_TYPES))
-        if unknown:
-            raise ValueError(f"{path}: unknown column(s) {unknown}; expected {sorted(_FIELD_TYPES)}")
-        return [Row(**{k: _parse(k, v) for k, v in rec.items()}) for rec in reader]
+    return read_csv(path, Row)
 
 
 def read_meta(out_dir: Path) -> dict[str, Any]:
@@ -123,9 +136,10 @@ def read_meta(out_dir: Path) -> dict[str, Any]:
         return json.load(fh).get("meta", {})
 
 
-def merge_rows(old: list[Row], new: list[Row]) -> list[Row]:
+def merge_rows(old: list[Any], new: list[Any]) -> list[Any]:
     """old rows with every key that `new` measured replaced (so a sweep can be split over several commands). A case
-    `new` skipped for time measured nothing, so it does not replace an old row that holds a measurement."""
+    `new` skipped for time measured nothing, so it does not replace an old row that holds a measurement. Any rows
+    with a `key` and a `status` (Row, perf.train_bench.TrainRow)."""
     measured = {r.key for r in old if r.status != SKIPPED}
     new = [r for r in new if r.status != SKIPPED or r.key not in measured]
     replaced = {r.key for r in new}

@@ -1,7 +1,7 @@
 """The sweep: ceilings, then every case in priority order, inside a wall-clock budget.
 
-Order: phase 1 times the whole layer (SDPA and every NSA variant, fwd and fwd_bwd) for every T, so the
-headline speedups are measured first; phase 2 times the NSA stages for every T.
+Order: phase 1 times the whole layer (SDPA, every NSA variant and every other library, fwd and fwd_bwd) for every
+T, so the headline speedups are measured first; phase 2 times the NSA stages for every T.
 
 Budget: before each warm-up call and before the timed rounds, the runner checks that the calls still to
 make (at the last measured time per call) end inside the budget; a case that would not is recorded as
@@ -49,10 +49,15 @@ def _is_oom(exc: BaseException) -> bool:
 
 class Runner:
     def __init__(self, spec: BenchSpec, device: torch.device, with_sdpa: bool, variants: list[NSAImplementation],
-                 log: Callable[[str], None] = print, workload: str = "single"):
+                 log: Callable[[str], None] = print, workload: str = "single", peers: list | None = None):
         if workload not in WORKLOADS:
             raise ValueError(f"unknown workload {workload!r}; known: {sorted(WORKLOADS)}")
         self.spec, self.device, self.with_sdpa, self.variants = spec, device, with_sdpa, variants
+        self.peers = list(peers or [])  # other libraries (perf.peers.FlaNSA): whole layer only, no work model
+        for peer in self.peers:
+            peer.check(spec, device)
+            if workload != "single":
+                raise ValueError(f"--impls {peer.label}: only the single-sequence workload")
         self.log, self.workload = log, workload
         self.is_cuda = device.type == "cuda"
         if not self.is_cuda:
@@ -81,6 +86,9 @@ class Runner:
                 for impl in self.variants:
                     plans.append(Plan(T, impl.label, LAYER, pass_name,
                                       lambda inp, i=impl, p=pass_name: build_nsa_case(i, LAYER, p, inp, spec, 11)))
+                for peer in self.peers:
+                    plans.append(Plan(T, peer.label, LAYER, pass_name,
+                                      lambda inp, q=peer, p=pass_name: q.build_case(p, inp, spec, 11)))
         for T in spec.seq_lens:
             for impl in self.variants:
                 for stage in spec.stages:
@@ -230,7 +238,11 @@ class Runner:
             row.documents = len(lengths)
         work_model = StageWork(row.seq_len, spec.cfg, spec.batch, spec.torch_dtype.itemsize, spec.phi_width,
                                lengths)
-        work = work_model.sdpa() if row.impl == SDPA else work_model.stage(row.stage, row.selected_tokens)
+        if row.impl in {peer.label for peer in self.peers}:
+            return  # another library: its useful work is not modelled here
+        branches = next((tuple(v.kwargs["branches"]) for v in self.variants
+                         if v.label == row.impl and "branches" in v.kwargs), ("cmp", "slc", "win"))
+        work = work_model.sdpa() if row.impl == SDPA else work_model.stage(row.stage, row.selected_tokens, branches)
         if work is None:
             return
         row.flops = work.flops(row.pass_name)

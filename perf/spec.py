@@ -1,8 +1,12 @@
 """BenchSpec: what one benchmark sweep measures (shapes, NSA config, timing rules), as a validated dataclass.
 
-Presets:
-- "paper": the issue-8 H100 sweep: bf16, batch 1, 64 query heads in 4 KV groups, d_k = d_v = 128, the paper's
-  l/d/l'/n/w (NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)), T = 8k..128k.
+Presets (PRESETS; DEFAULT_IMPLS names what each times unless --impls says otherwise):
+- "paper": the H100 sweep: bf16, batch 1, 64 query heads in 4 KV groups, d_k = d_v = 128, the paper's
+  l/d/l'/n/w (NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)), T = 8k..128k; SDPA and ours, whole
+  layer and every stage.
+- "equal_blocks": the peer comparison: the same heads, l = d = l' = 64, n = 16, w = 512, phi = "avg" (mean
+  pooling, what fla computes), T = 8k..128k, whole layer only: SDPA, ours, ours without the window branch
+  (`nsa[branches=cmp+slc]`) and fla's parallel_nsa (perf/peers.py).
 - "tiny": a CPU-sized sweep of the same code paths (4 heads, 2 groups, d = 32, a small config, T = 256, 512)
   that CI runs so the runner cannot rot.
 """
@@ -112,6 +116,10 @@ class BenchSpec:
         return out
 
 
+PRESETS = ("paper", "equal_blocks", "tiny")
+DEFAULT_IMPLS = {"paper": "sdpa,nsa", "equal_blocks": "sdpa,nsa,nsa[branches=cmp+slc],fla", "tiny": "sdpa,nsa"}
+
+
 def preset(name: str, **overrides: Any) -> BenchSpec:
     """A named sweep (see module docstring), optionally with fields overridden."""
     if name == "paper":
@@ -119,6 +127,13 @@ def preset(name: str, **overrides: Any) -> BenchSpec:
             name="paper",
             cfg=NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128),
             seq_lens=(8192, 16384, 32768, 65536, 131072),
+        )
+    elif name == "equal_blocks":
+        base = BenchSpec(
+            name="equal_blocks",
+            cfg=NSAConfig.preset("equal_blocks", head_dim_qk=128, head_dim_v=128, phi="avg"),
+            seq_lens=(8192, 16384, 32768, 65536, 131072),
+            stages=(),
         )
     elif name == "tiny":
         base = BenchSpec(
@@ -135,5 +150,5 @@ def preset(name: str, **overrides: Any) -> BenchSpec:
             copy_bytes=16 * 2**20,
         )
     else:
-        raise ValueError(f"unknown benchmark preset {name!r}; known presets: ['paper', 'tiny']")
+        raise ValueError(f"unknown benchmark preset {name!r}; known presets: {list(PRESETS)}")
     return base.replace(**overrides) if overrides else base

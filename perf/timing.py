@@ -61,6 +61,21 @@ class Timer:
         self.synchronize()
         return time.perf_counter() - start
 
+    def once_ms(self, fn: Callable[[], object]) -> float:
+        """One timed run of fn after an L2 flush, in ms (CUDA events on CUDA, perf_counter otherwise): for callers
+        that must time consecutive calls one by one (the decode bench's steps)."""
+        self.flush_cache()
+        if not self.is_cuda:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
     def measure(self, fn: Callable[[], object], repeats: int) -> Samples:
         """`repeats` timed runs of fn, each after an L2 flush; returns their times in ms."""
         if repeats < 1:

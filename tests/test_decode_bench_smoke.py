@@ -1,23 +1,38 @@
-"""perf/decode_bench.py end to end on CPU (tiny config, eager steps): the report files exist and the counted reads
-of the step at context s are Table 4's model s/d + n*l' + w minus one (docs/spec.md, "Table 4 off-by-one")."""
+"""perf/decode_bench.py end to end on CPU (tiny config, eager steps): the report files exist, the counted reads of the
+step at context s are Table 4's model s/d + n*l' + w minus one (docs/spec.md, "Table 4 off-by-one"), the timed steps
+are consecutive and include the steps that emit a compressed token, and the speedup is judged by the mean step."""
 
 import csv
 import json
 
+import pytest
 
 from perf import decode_bench
 
 
 def test_decode_bench_cpu_smoke(tmp_path, single_torch_thread):
-    assert decode_bench.main(["--device", "cpu", "--tiny", "--contexts", "512", "--batches", "2", "--steps", "2",
-                              "--warmup", "1", "--out", str(tmp_path)]) == 0
+    cfg = decode_bench.bench_config(tiny=True)  # l = 16, d = 8, l' = 32, n = 4, w = 64
+    steps = 2 * cfg.cmp_stride + 1  # consecutive steps: at least two of them emit a compressed token
+    assert decode_bench.main(["--device", "cpu", "--tiny", "--contexts", "512", "--batches", "2", "--steps",
+                              str(steps), "--warmup", "1", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "decode_bench.csv")))
     assert len(rows) == 1
     row = rows[0]
-    cfg = decode_bench.bench_config(tiny=True)  # l = 16, d = 8, l' = 32, n = 4, w = 64
     assert (int(row["reads_cmp"]), int(row["reads_slc"]), int(row["reads_win"])) == ((512 - 16) // 8 + 1, 4 * 32, 64)
     assert int(row["reads_total"]) == int(row["table4_tokens"]) - 1 == 512 // 8 + 4 * 32 + 64 - 1
-    assert float(row["nsa_median_us"]) > 0 and float(row["sdpa_median_us"]) > 0
+    assert int(row["timed_steps"]) == steps and int(row["emission_steps"]) >= 2
+    nsa_mean, sdpa_mean = float(row["nsa_mean_us"]), float(row["sdpa_mean_us"])
+    assert nsa_mean > 0 and sdpa_mean > 0 and float(row["nsa_median_emit_us"]) > 0
+    assert float(row["measured_speedup"]) == pytest.approx(sdpa_mean / nsa_mean, rel=1e-9)
+    assert float(row["median_speedup"]) == pytest.approx(float(row["sdpa_median_us"]) / float(row["nsa_median_us"]),
+                                                         rel=1e-9)
+    assert json.loads(row["sdpa_forms_us"])[row["sdpa_form"]] == pytest.approx(sdpa_mean)
     assert json.loads((tmp_path / "decode_bench.json").read_text())["config"] == cfg.to_dict()
-    assert "| 512 | 2 |" in (tmp_path / "decode_bench.md").read_text()
+    text = (tmp_path / "decode_bench.md").read_text()
+    assert f"| 512 | 2 | {nsa_mean:.1f} |" in text and f"| {float(row['measured_speedup']):.2f}x |" in text
     assert (tmp_path / "decode_bench.png").stat().st_size > 0
+
+    # the summaries come from the CSV alone
+    (tmp_path / "decode_bench.md").write_text("tampered")
+    assert decode_bench.main(["--report-from", str(tmp_path / "decode_bench.csv"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "decode_bench.md").read_text() == text

@@ -15,7 +15,7 @@ from perf import baseline as gate
 from perf.cli import main
 from perf.flops import StageWork, compressed_pairs, selected_token_count, window_pairs
 from perf.implementations import NSAImplementation, parse_impls
-from perf.report import BEGIN, END
+from perf.report import markers
 from perf.results import ERROR, OK, OOM, SKIPPED, Row, read_rows
 from perf.runner import Runner
 from perf.spec import LAYER, NSA_STAGES, PASSES, preset
@@ -108,8 +108,8 @@ def test_gate_failures_skips_and_shape_mismatch():
 # Implementations and error handling ------------------------------------------------------------------------
 
 def test_parse_impls_variants_and_errors():
-    with_sdpa, variants = parse_impls("sdpa,nsa,nsa[backend=torch,chunk_size=64]", "optimized")
-    assert with_sdpa and [v.label for v in variants] == ["nsa", "nsa[backend=torch,chunk_size=64]"]
+    with_sdpa, variants, peers = parse_impls("sdpa,nsa,nsa[backend=torch,chunk_size=64]", "optimized")
+    assert with_sdpa and [v.label for v in variants] == ["nsa", "nsa[backend=torch,chunk_size=64]"] and not peers
     assert variants[1].kwargs == {"backend": "torch", "chunk_size": 64}
     with pytest.raises(ValueError, match="no stage function accepts keyword 'colour'"):
         parse_impls("nsa[colour=red]", "optimized")
@@ -179,6 +179,7 @@ def test_tiny_sweep_end_to_end(tmp_path, one_thread, capsys):
     assert meta["ceilings"]["matmul_tflops"] > 0 and meta["ceilings"]["copy_gbps"] > 0
 
     # The README table shows the CSV's medians; `report` regenerates the same section from the CSV alone.
+    BEGIN, END = markers("tiny")
     text = readme.read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1
     with open(out / "results.csv", newline="") as fh:
@@ -241,7 +242,7 @@ def test_merge_keeps_measured_rows_over_time_skips_and_the_gate_compares_only_th
     assert printed.count("not compared") >= 3 and "skipped: " in printed
 
 
-# Packed workload (issue 9): documents of mixed lengths in one row -------------------------------------------
+# Packed workload: documents of mixed lengths in one row ----------------------------------------------------
 
 def test_packed_document_lengths_fill_the_row_with_mixed_documents():
     from perf.cases import PACKED_MIN_DOCUMENT, packed_document_lengths

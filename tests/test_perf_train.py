@@ -1,0 +1,157 @@
+"""`python -m perf train` and `train-profile` on the tiny geometry (CPU): the dense model is the NSA model with causal
+GQA attention and nothing else changed, every sequence length runs the same tokens per step, the reports show the
+CSV, and the profile attributes backward time to the forward region that created it."""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+
+import pytest
+import torch
+
+from perf.cli import main
+from perf.train_bench import OverBudget, StepClock, read_rows
+from perf.train_model import DenseAttention, batch_plan, geometry, trainer_for, use_dense_attention
+from reference.module import apply_rope
+from sentinels.model import build_model
+
+TINY = geometry("tiny")
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_batch_plan_keeps_tokens_per_step():
+    for T in (2048, 8192, 16384, 32768, 65536):
+        plan = batch_plan(T, 65536, 16384)
+        assert plan.tokens == 65536 and plan.seq_len * plan.micro_batch <= max(16384, T)
+    assert batch_plan(2048, 65536, 16384).micro_batch == 8 and batch_plan(65536, 65536, 16384).grad_accum == 1
+    assert batch_plan(3, 12, 8).micro_batch == 2  # the largest divisor of the sequences that fits
+    with pytest.raises(ValueError, match="not a multiple of seq_len"):
+        batch_plan(3000, 65536, 16384)
+
+
+def _reference_dense(attn: DenseAttention, x: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention with query head h reading KV head h // group, written out with explicit loops."""
+    B, T, _ = x.shape
+    pos = torch.arange(T)
+    H, Hkv, dk, dv = attn.n_heads, attn.n_kv_heads, attn.head_dim_qk, attn.head_dim_v
+    q = apply_rope(attn.q_proj(x).view(B, T, H, dk).double(), pos, attn.rope_base)
+    k = apply_rope(attn.k_proj(x).view(B, T, Hkv, dk).double(), pos, attn.rope_base)
+    v = attn.v_proj(x).view(B, T, Hkv, dv).double()
+    o = torch.zeros(B, T, H, dv, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // Hkv)
+            for p in range(T):
+                logits = (k[b, : p + 1, g] @ q[b, p, h]) / math.sqrt(dk)
+                o[b, p, h] = torch.softmax(logits, 0) @ v[b, : p + 1, g]
+    return attn.o_proj(o.reshape(B, T, -1).to(x.dtype))
+
+
+def test_dense_attention_is_causal_gqa_over_the_nsa_layers_projections(tmp_path, one_thread):
+    cfg = TINY.run_config(seq_len=12, micro_batch=2, grad_accum=1, steps=1, device="cpu", out_dir=tmp_path)
+    model = build_model(cfg)
+    nsa = model.blocks[0].attn
+    dense = DenseAttention(nsa)
+    assert dense.q_proj is nsa.inner.q_proj and dense.k_proj is nsa.inner.k_slc_proj
+    assert dense.v_proj is nsa.inner.v_slc_proj and dense.o_proj is nsa.inner.o_proj
+    x = torch.randn(2, 12, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(dense(x), _reference_dense(dense, x), atol=1e-5, rtol=1e-5)
+
+
+def test_dense_trainer_holds_only_the_dense_parameters(one_thread):
+    unused = ("k_cmp_proj", "v_cmp_proj", "k_win_proj", "v_win_proj", ".gate.", ".phi_")
+    with trainer_for(TINY, "nsa", batch_plan(16, 32, 32), steps=1, device=torch.device("cpu")) as nsa_trainer:
+        nsa_params = dict(nsa_trainer.model.named_parameters())
+    with trainer_for(TINY, "dense", batch_plan(16, 32, 32), steps=1, device=torch.device("cpu")) as trainer:
+        dense_params = dict(trainer.model.named_parameters())
+        in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        assert in_optimizer == {id(p) for p in trainer.model.parameters()}
+        with pytest.raises(ValueError, match="already stepped"):
+            trainer.optimizer.state[next(trainer.model.parameters())] = {"step": 1}
+            use_dense_attention(trainer)
+    assert {n for n in dense_params if ".attn." in n} == {f"blocks.{i}.attn.{p}_proj.weight" for i in range(2)
+                                                          for p in ("q", "k", "v", "o")}
+    dropped = sum(p.numel() for n, p in nsa_params.items() if any(part in n for part in unused))
+    assert dropped > 0
+    assert sum(p.numel() for p in dense_params.values()) == sum(p.numel() for p in nsa_params.values()) - dropped
+
+
+def test_step_clock_stops_a_case_whose_timed_steps_cannot_fit():
+    clock = StepClock(torch.device("cpu"), warmup=1, steps=1000, deadline=time.perf_counter() + 5.0,
+                      profile_kernels=False)
+    clock(None, 0)
+    time.sleep(0.02)
+    with pytest.raises(OverBudget, match="1000 steps of ~.* ms need"):
+        clock(None, 1)  # 1000 steps of ~20 ms do not fit in 5 s
+
+
+def test_train_sweep_cpu_tiny_end_to_end(tmp_path, one_thread):
+    out = tmp_path / "train"
+    assert main(["train", "--device", "cpu", "--geometries", "tiny", "--seq-lens", "16,32", "--tokens-per-step", "64",
+                 "--micro-batch-tokens", "32", "--warmup", "1", "--steps", "2", "--out", str(out)]) == 0
+    rows = read_rows(out / "train.csv")
+    assert [(r.model, r.seq_len, r.micro_batch, r.grad_accum) for r in rows] == [
+        ("nsa", 16, 2, 2), ("dense", 16, 2, 2), ("nsa", 32, 1, 2), ("dense", 32, 1, 2)]
+    for r in rows:
+        assert r.status == "ok" and r.n_steps == 2 and r.tokens_per_step == 64, r.note
+        assert r.tokens_per_s == pytest.approx(64 / (r.median_step_ms / 1e3), rel=1e-4)
+        assert r.min_step_ms <= r.median_step_ms and math.isfinite(r.loss_last)
+    assert all("optimized" in r.attention and "NSAAttention" in r.attention for r in rows if r.model == "nsa")
+    assert all("DenseAttention" in r.attention for r in rows if r.model == "dense")
+    nsa, dense = rows[0], rows[1]
+    assert dense.parameters < nsa.parameters
+
+    text = (out / "train.md").read_text()
+    with open(out / "train.csv", newline="") as fh:
+        first = next(csv.DictReader(fh))
+    ratio = float(first["tokens_per_s"]) / float(rows[1].tokens_per_s)
+    assert f"| 16 | 2 x 2 | {float(first['tokens_per_s']):,.0f} | {rows[1].tokens_per_s:,.0f} | {ratio:.2f}x |" in text
+    assert (out / "train.png").stat().st_size > 10_000
+    (out / "train.md").write_text("tampered")
+    assert main(["train-report", "--out", str(out)]) == 0
+    assert (out / "train.md").read_text() == text
+
+
+def test_train_profile_splits_the_step_by_region(tmp_path, one_thread):
+    out = tmp_path / "profile"
+    assert main(["train-profile", "--device", "cpu", "--geometries", "tiny", "--models", "nsa,dense", "--seq-len",
+                 "32", "--tokens-per-step", "64", "--micro-batch-tokens", "64", "--warmup", "1", "--timed", "1",
+                 "--profiled", "1", "--out", str(out)]) == 0
+    import json
+
+    result = json.loads((out / "train_profile.json").read_text())
+    nsa, dense = result["profiles"]
+    for p in (nsa, dense):
+        by = {c["category"]: c for c in p["categories"]}
+        assert sum(c["total_ms"] for c in p["categories"]) == pytest.approx(p["device_ms_per_step"], rel=1e-6)
+        mlp = by["MLP (SwiGLU)"]
+        proj = by["attention rest: q, k, v and output projections"]
+        # backward work lands in the region of the forward op that created it
+        assert mlp["forward_ms"] > 0 and mlp["backward_ms"] > 0 and proj["backward_ms"] > 0
+        assert by["optimizer (gradient clipping, AdamW)"]["outside_ms"] > 0
+        assert by["optimizer (gradient clipping, AdamW)"]["forward_ms"] == 0
+    nsa_by = {c["category"]: c for c in nsa["categories"]}
+    assert nsa_by["attention rest: inside the NSA call (phi, scoring glue, casts)"]["backward_ms"] > 0
+    assert nsa_by["attention rest: per-layer statistics"]["forward_ms"] > 0
+    assert "attention kernels" not in nsa_by  # the CPU path launches no Triton kernel
+    dense_by = {c["category"]: c for c in dense["categories"]}
+    assert dense_by["attention kernels"]["forward_ms"] > 0 and "attention rest: per-layer statistics" not in dense_by
+    md = (out / "train_profile.md").read_text()
+    assert "| MLP (SwiGLU) |" in md and "## dense, tiny, seq_len 32" in md
+
+
+def test_unknown_geometry_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--device", "cpu", "--geometries", "huge"])
+    assert "--geometries must be a comma list" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown geometry 'huge'"):
+        geometry("huge")
