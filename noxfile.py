@@ -55,8 +55,8 @@ def torch_cpu_index(session: nox.Session) -> list[str]:
 def install_cpu(session: nox.Session, extras: str = "dev,triton") -> None:
     """Editable install of the project with the pins of constraints-cpu.txt and the CPU build of torch where pip
     can get it (torch_cpu_index), showing pip's progress."""
-    session.log(f"installing .[{extras}] with {CPU_CONSTRAINTS}: the first install of a virtualenv downloads and "
-                f"unpacks torch (minutes); later runs reuse it")
+    session.log(f"pip install of .[{extras}] pinned by {CPU_CONSTRAINTS}: up to minutes in a new virtualenv (torch "
+                f"is downloaded and unpacked), seconds in a reused one; `nox -R` skips it")
     session.install(*torch_cpu_index(session), "-c", CPU_CONSTRAINTS, "-e", f".[{extras}]", silent=False)
 
 

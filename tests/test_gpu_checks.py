@@ -60,10 +60,12 @@ def test_every_step_writes_under_out(tmp_path):
     assert f"--baseline-dir {out}/baselines" in commands["perf"]
 
 
-def test_no_environment_variable_moves_the_output(tmp_path):
-    elsewhere = tmp_path / "elsewhere"
-    commands = dry_run(env={"OUT": str(elsewhere), "NSA_REPORT_DIR": str(elsewhere)})
-    assert all(str(elsewhere) not in command for command in commands.values())
+def test_the_environment_does_not_move_the_output(tmp_path):
+    elsewhere = str(tmp_path / "elsewhere")
+    crowded = {name: elsewhere for name in ("OUTPUT", "OUTDIR", "REPORT_DIR", "NSA_REPORT_DIR", "RESULTS")}
+    commands = dry_run(env=crowded)
+    assert commands == dry_run()
+    assert all(elsewhere not in command for command in commands.values())
     assert all("reports/gpu-checks" in commands[s] for s in ("conformance-gpu", "gpu-tests", "perf"))
 
 

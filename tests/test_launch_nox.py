@@ -42,7 +42,7 @@ def test_session_exists_with_a_docstring(sessions, name):
 
 
 @pytest.mark.parametrize("name", GPU_SESSIONS)
-def test_gpu_sessions_use_the_current_interpreter(sessions, name):
+def test_cuda_sessions_use_the_current_interpreter(sessions, name):
     assert sessions[name].venv_backend == "none"
 
 
