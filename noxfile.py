@@ -161,8 +161,8 @@ def require_gpu(session: nox.Session) -> None:
              "print(f'{torch.__version__} cuda={torch.version.cuda} gpus={n}'); sys.exit(0 if n else 3)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if done.returncode == 3:
-        session.error(f"no GPU visible to {sys.executable} (torch {done.stdout.strip()}): this session needs a "
-                      f"CUDA device; run it on the GPU host (docs/runbook.md)")
+        session.error(f"no GPU visible to {sys.executable} (torch {done.stdout.strip()}): nox -s {session.name} "
+                      f"needs a CUDA device; run it on a GPU machine (docs/runbook.md)")
     if done.returncode != 0:
         session.error(f"torch does not import in {sys.executable}, the interpreter running nox (GPU sessions use "
                       f"it, nothing is installed): {done.stderr.strip().splitlines()[-1:]}")
