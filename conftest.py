@@ -28,7 +28,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture
 def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.empty returns NaN-filled float tensors, so an output element a kernel never writes stays NaN (the
-    kernel tests of tests/ and conformance/ ask for it)."""
+    kernel tests ask for it)."""
     real_empty = torch.empty
 
     def empty(*args, **kwargs):

@@ -1,6 +1,15 @@
-"""Nox sessions: how users run the harness. `python -m nox -l` lists them with their docstrings.
+"""Nox sessions: how users run the harness. `python -m nox -l` lists them; `python -m nox --usage SESSION` shows a
+session's whole docstring.
 
-CPU sessions build their own virtualenv with the CPU build of torch pinned by constraints-cpu.txt.
+CPU sessions (tests, conformance, sentinels, perf-cpu, lint) build a virtualenv under .nox/ and install the project
+into it with the pins of constraints-cpu.txt. The first install downloads and unpacks torch (pip's progress is
+shown); later runs reuse the virtualenv and pip only brings it up to date. `python -m nox -R -s SESSION` skips the
+install altogether; `--reuse-venv=no` rebuilds the virtualenv. On Linux the install adds PyTorch's CPU wheel index
+when it answers, so pip takes the CPU build of torch; otherwise pip uses the indexes it is configured with (see
+install_cpu).
+
+GPU sessions (conformance-gpu, sentinels-gpu, perf, preflight, launch) install nothing: they run in the interpreter
+that runs nox, which must have torch with CUDA.
 """
 
 from __future__ import annotations
@@ -9,13 +18,46 @@ import nox
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.sessions = ["tests"]
+nox.options.reuse_venv = "yes"  # pip reconciles a reused virtualenv with pyproject.toml and the pins on every run
 
 CPU_CONSTRAINTS = "constraints-cpu.txt"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+INDEX_PROBE_TIMEOUT_S = 3.0
+
+
+def torch_cpu_index(session: nox.Session) -> list[str]:
+    """`--extra-index-url` of PyTorch's CPU wheels on Linux when that index answers within a few seconds, else
+    nothing.
+
+    constraints-cpu.txt pins torch==2.13.0 without a local version, so pip takes the highest build it can see:
+    2.13.0+cpu when the CPU index is one of its indexes (or a local wheel it is configured to find), else PyPI's
+    2.13.0, which on Linux is the CUDA build with about 15 nvidia-* packages (it runs on CPU too, but is a far larger
+    download). PyPI's macOS and Windows wheels are CPU builds already. An index that does not answer is left out,
+    so the install never waits on it."""
+    import sys
+    import urllib.error
+    import urllib.request
+
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"{TORCH_CPU_INDEX}/torch/", method="HEAD"),
+                               timeout=INDEX_PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        pass  # the index answered (with a status other than 200): pip can use it
+    except (OSError, ValueError) as exc:
+        session.log(f"{TORCH_CPU_INDEX} does not answer ({exc}); pip takes torch from the indexes it is configured "
+                    f"with (from PyPI alone on Linux: the CUDA build and its nvidia-* packages)")
+        return []
+    return ["--extra-index-url", TORCH_CPU_INDEX]
 
 
 def install_cpu(session: nox.Session, extras: str = "dev,triton") -> None:
-    """Editable install of the project with pinned CPU torch/triton."""
-    session.install("-c", CPU_CONSTRAINTS, "-e", f".[{extras}]")
+    """Editable install of the project with the pins of constraints-cpu.txt and the CPU build of torch where pip
+    can get it (torch_cpu_index), showing pip's progress."""
+    session.log(f"pip install of .[{extras}] pinned by {CPU_CONSTRAINTS}: up to minutes in a new virtualenv (torch "
+                f"is downloaded and unpacked), seconds in a reused one; `nox -R` skips it")
+    session.install(*torch_cpu_index(session), "-c", CPU_CONSTRAINTS, "-e", f".[{extras}]", silent=False)
 
 
 @nox.session
@@ -83,9 +125,11 @@ def conformance_gpu(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def perf(session: nox.Session) -> None:
-    """GPU benchmark with the interpreter running nox, nothing installed: NSA stages and layer vs SDPA at 8k-128k,
-    CSV/JSON/plots in reports/perf/, gate on reports/baselines/perf-<gpu>.json (exit 1 on a regression). Posargs go
-    to `python -m perf run`, e.g. `-- --update-baseline`, `-- --seq-lens 64k` or `-- --preset equal_blocks` (fla's
+    """GPU benchmark of the NSA stages and the whole layer against SDPA full attention at 8k-128k tokens.
+
+    Runs in the interpreter running nox (nothing installed). Writes CSV/JSON/plots to reports/perf/ (or `--out DIR`)
+    and gates on reports/baselines/perf-<gpu>.json: exit 1 on a regression. Posargs go to `python -m perf run`,
+    e.g. `-- --seq-lens 64k`, `-- --out DIR`, `-- --update-baseline` or `-- --preset equal_blocks` (fla's
     parallel_nsa beside ours, with fla-core installed: the `fla` extra)."""
     import sys
 
@@ -95,10 +139,12 @@ def perf(session: nox.Session) -> None:
 
 @nox.session(name="perf-train", venv_backend="none")
 def perf_train(session: nox.Session) -> None:
-    """GPU training throughput with the interpreter running nox, nothing installed: full trainer steps of the NSA
-    model and of the same model with dense attention (causal SDPA, GQA), prod-125m and the paper's attention geometry,
-    seq_len 2k-64k at equal tokens per step; tokens/s and peak memory in reports/perf/train/ (about 8 minutes on one
-    H100, inside `--budget-s`). Posargs go to `python -m perf train`, e.g. `-- --geometries paper --seq-lens 64k`."""
+    """GPU training throughput of the NSA model against the same model with dense attention (causal SDPA, GQA).
+
+    Runs in the interpreter running nox (nothing installed): full trainer steps on prod-125m and the paper's attention
+    geometry, seq_len 2k-64k at equal tokens per step; tokens/s and peak memory in reports/perf/train/ (about 8
+    minutes on one H100, inside `--budget-s`). Posargs go to `python -m perf train`, e.g.
+    `-- --geometries paper --seq-lens 64k`."""
     import sys
 
     session.run(sys.executable, "-m", "perf", "train", "--device", "cuda", *session.posargs, external=True)
@@ -106,9 +152,10 @@ def perf_train(session: nox.Session) -> None:
 
 @nox.session(name="perf-cpu")
 def perf_cpu(session: nox.Session) -> None:
-    """The benchmark runners on tiny CPU shapes end to end so they cannot rot: `perf run` (CSV/plots/README, baseline
-    write + compare), `perf train` and `perf train-profile` on the tiny geometry; writes only under the session's tmp
-    folder."""
+    """The benchmark runners end to end on tiny CPU shapes, so that they cannot rot.
+
+    Runs `perf run` (sweep, CSV/plots/README, baseline write + compare), `perf train` and `perf train-profile` on the
+    tiny geometry; writes only under the session's tmp folder."""
     install_cpu(session, "dev,triton,plots")
     tmp = session.create_tmp()
     session.run("python", "-m", "perf", "run", "--device", "cpu", "--preset", "tiny", "--out", f"{tmp}/perf",
@@ -124,10 +171,7 @@ def perf_cpu(session: nox.Session) -> None:
                 "--timed", "2", "--profiled", "1", "--out", f"{tmp}/train_profile")
 
 
-# ------------------------------------------------------------------------------------------ launch gate (issue 7)
-RUFF = "ruff==0.17.6"
-
-
+# ------------------------------------------------------------------------------------------ launch gate
 def require_gpu(session: nox.Session) -> None:
     """Fail fast in a session that runs in the current interpreter: torch must import there and see a GPU."""
     import subprocess
@@ -137,8 +181,8 @@ def require_gpu(session: nox.Session) -> None:
              "print(f'{torch.__version__} cuda={torch.version.cuda} gpus={n}'); sys.exit(0 if n else 3)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if done.returncode == 3:
-        session.error(f"no GPU visible to {sys.executable} (torch {done.stdout.strip()}): this session needs a "
-                      f"CUDA device; run it on the GPU host (docs/runbook.md)")
+        session.error(f"no GPU visible to {sys.executable} (torch {done.stdout.strip()}): nox -s {session.name} "
+                      f"needs a CUDA device; run it on a GPU machine (docs/runbook.md)")
     if done.returncode != 0:
         session.error(f"torch does not import in {sys.executable}, the interpreter running nox (GPU sessions use "
                       f"it, nothing is installed): {done.stderr.strip().splitlines()[-1:]}")
@@ -168,23 +212,28 @@ def launch(session: nox.Session) -> None:
     session.run(sys.executable, "-m", "sentinels.launch", "launch", *session.posargs, external=True)
 
 
+RUFF = "ruff==0.17.6"
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """Ruff (pinned) with the conservative rule set of pyproject.toml [tool.ruff] (pyflakes, E4/E7/E9).
 
     Syntax errors, undefined names, unused imports and variables, bad comparisons. Posargs go to `ruff check`."""
-    session.install(RUFF)
+    session.install(RUFF, silent=False)
     session.run("ruff", "check", *session.posargs, ".")
 
 
-# ------------------------------------------------------------------------------------------ sentinels (issue 5)
+# ------------------------------------------------------------------------------------------ sentinels
 @nox.session
 def sentinels(session: nox.Session) -> None:
-    """Sentinel suite, CPU profile (about 2 min on 2 cores): label shift, random label vs ln V, long-range recall
-    (full NSA vs locals-only), loss floor / gate collapse / watchdog on real text, and the planted-fault self-test
-    (leaks, misaligned labels, saturated gates, NaN, slow data) that must trip them. Prints the verdict table,
-    writes reports/sentinels/cpu-cpu.json and one PNG per sentinel; exit 1 unless PASS. Posargs go to
-    `python -m sentinels run`, e.g. `-- --config configs/X.yaml` or `-- --out /tmp/rep` (docs/sentinels.md)."""
+    """Sentinel suite, CPU profile: short training runs that must trip on leaks and collapse (about 2 min on 2 cores).
+
+    Label shift, random label vs ln V, long-range recall (full NSA vs locals-only), loss floor / gate collapse /
+    watchdog on real text, and the planted-fault self-test (leaks, misaligned labels, saturated gates, NaN, slow
+    data) that must trip them. Prints the verdict table, writes reports/sentinels/cpu-cpu.json and one PNG per
+    sentinel; exit 1 unless PASS. Posargs go to `python -m sentinels run`, e.g. `-- --config configs/X.yaml` or
+    `-- --out DIR` (docs/sentinels.md)."""
     install_cpu(session, "dev,triton,data,plots")
     session.run("python", "-m", "sentinels", "run", "--profile", "cpu", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})
@@ -192,10 +241,12 @@ def sentinels(session: nox.Session) -> None:
 
 @nox.session(name="sentinels-gpu", venv_backend="none")
 def sentinels_gpu(session: nox.Session) -> None:
-    """Sentinel suite, GPU profile (< 10 min on one H100) in the current interpreter, nothing installed; fails fast
-    without a GPU. The learned sentinels use the probe model of configs/gpu-smoke.yaml; the real-text sentinels
-    use `--config` (default configs/prod-125m.yaml). Writes reports/sentinels/gpu-<gpu>.json (or under
-    $OUT/reports/sentinels when OUT is set); exit 1 unless PASS. Posargs go to `python -m sentinels run`."""
+    """Sentinel suite, GPU profile: the same sentinels and planted faults on a CUDA GPU (under 10 min on one H100).
+
+    Runs in the interpreter running nox (nothing installed) and fails fast without a GPU. The learned sentinels use
+    the probe model of configs/gpu-smoke.yaml; the real-text sentinels use `--config` (default
+    configs/prod-125m.yaml). Writes reports/sentinels/gpu-<gpu>.json (or under `--out DIR`); exit 1 unless PASS.
+    Posargs go to `python -m sentinels run`."""
     import sys
 
     require_gpu(session)

@@ -1,4 +1,4 @@
-"""NSAConfig validation: every rule raises ValueError naming the field (issue 2, section 2)."""
+"""NSAConfig validation: every rule raises ValueError naming the field."""
 
 import pytest
 

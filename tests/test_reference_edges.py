@@ -1,4 +1,4 @@
-"""Visibility edges of the reference (issue 2, section 6): p = l-2, l-1, l; selection-block boundaries
+"""Visibility edges of the reference: p = l-2, l-1, l; selection-block boundaries
 p = k*l'-1 and k*l'; T not a multiple of any block; forced blocks and ties (Eq. 11); window width."""
 
 import pytest

@@ -1,5 +1,5 @@
 """Cover-all equivalence: when a branch can see every causal key, the reference equals plain dense causal
-attention, computed independently with an explicit masked score matrix and softmax (issue 2, section 6)."""
+attention, computed independently with an explicit masked score matrix and softmax."""
 
 import pytest
 import torch

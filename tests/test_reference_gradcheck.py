@@ -1,4 +1,4 @@
-"""Float64 gradcheck of the reference through every branch, gates and phi (issue 2, section 6)."""
+"""Float64 gradcheck of the reference through every branch, gates and phi."""
 
 import pytest
 import torch

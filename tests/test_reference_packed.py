@@ -1,4 +1,4 @@
-"""reference with packed documents (cu_seqlens, issue 9): the rules of a valid cu_seqlens, packed == each document
+"""reference with packed documents (cu_seqlens): the rules of a valid cu_seqlens, packed == each document
 run alone for every stage, nsa_forward and NSAAttention, and the packed layout checked against closed forms
 (compressed-token packing, -inf score columns, document-relative indices, windows and blocks that restart at each
 document start, per-document reads), on edge shapes: empty documents, documents shorter than l, exactly l, l', w."""
