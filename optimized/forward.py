@@ -1,7 +1,7 @@
 """nsa_forward (prefill) and decode_step: the three vectorized branches combined by the gates (Eq. 5), with the
 Eq. 6 reads counted from the masks and index sets each branch applied.
 
-range_backend="triton" (issue 8) runs the compressed and window branches on the range-attention kernel,
+range_backend="triton" runs the compressed and window branches on the range-attention kernel,
 Eq. 8 + 10 on the group-scores kernel (reusing the compressed branch's log-sum-exp) and Eq. 9-11 on the top-n
 kernel, in the inputs' own precision with fp32 accumulation, and Eq. 5 in one kernel; the selected branch
 follows `backend` as before. The torch default keeps the
