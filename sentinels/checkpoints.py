@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .errors import InputError
+
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest.json"
 FORMAT = 2  # the layout of a step_*.pt file (plain data, weights_only); 1 was a pickle loaded without that guard
@@ -36,7 +38,7 @@ NAME = re.compile(r"step_(\d{8})\.pt")
 REQUIRED_KEYS = ("format", "step", "config_hash", "config", "model", "optimizer", "scheduler", "data", "rng")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint or latest.json cannot be used (the message says which file and why)."""
 
 

@@ -22,9 +22,10 @@ import yaml
 from reference.config import NSAConfig
 
 from . import thresholds
+from .errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A run config key is unknown, has the wrong type, or breaks a rule (the message names the key)."""
 
 

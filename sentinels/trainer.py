@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
+import io
 import json
 import logging
 import math
@@ -48,6 +49,7 @@ from .data.batch import Batch
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .data.tokenizers import get_tokenizer
+from .errors import InputError
 from .model import NSALanguageModel, build_model, count_parameters, lm_loss
 from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
 from .launch.gonogo import authorize_training
@@ -58,7 +60,7 @@ log = logging.getLogger("sentinels.train")
 HALT_FILE = ".HALT"
 
 
-class TrainerError(RuntimeError):
+class TrainerError(InputError, RuntimeError):
     """The run cannot start or resume (message says why)."""
 
 
@@ -474,7 +476,10 @@ class Trainer:
             signal.signal(sig, on_stop)
         has_usr1 = hasattr(signal, "SIGUSR1")
         if has_usr1:
-            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+            try:
+                faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+            except (io.UnsupportedOperation, ValueError, AttributeError):  # sys.stderr has no file descriptor
+                faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
 
         def restore():
             for sig, handler in previous.items():

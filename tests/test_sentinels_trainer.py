@@ -428,3 +428,66 @@ def test_data_is_checked_before_the_model_is_built(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"data\.paths\[0\] .*empty\.jsonl: is empty"):
         Trainer(_text_cfg(tmp_path / "run", empty), console=False)
     assert not (tmp_path / "run").exists()
+
+
+# -- the train command: Ctrl-C, one-line errors, --debug, --fresh ---------------------------------------------
+def _cli_args(out, *extra):
+    return ["train", "--config", str(TINY), "-o", f"train.out_dir={out}", "-o", "train.steps=6",
+            "-o", "train.warmup_steps=1", "-o", "train.save_every=100", *extra]
+
+
+def _sigint_at_step_1(monkeypatch, times):
+    real = Trainer._train_step
+
+    def step(self, step):
+        if step == 1:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(self, step)
+
+    monkeypatch.setattr(Trainer, "_train_step", step)
+
+
+def test_cli_ctrl_c_checkpoints_and_exits_3_without_a_traceback(tmp_path, monkeypatch, capsys, caplog):
+    from sentinels.cli import main
+
+    _sigint_at_step_1(monkeypatch, times=1)
+    assert main(_cli_args(tmp_path / "run")) == 3
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "SIGINT received" in caplog.text
+    assert json.loads(captured.out.strip().splitlines()[-1])["steps_done"] == 2
+    assert json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["step"] == 2
+
+
+def test_cli_second_ctrl_c_aborts_with_one_line(tmp_path, monkeypatch, capsys):
+    from sentinels.cli import main
+
+    _sigint_at_step_1(monkeypatch, times=2)
+    assert main(_cli_args(tmp_path / "run")) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "a second Ctrl-C: aborted at once, without a checkpoint" in err
+
+
+def test_cli_refuses_a_non_empty_out_dir_in_one_line_and_fresh_starts_over(tmp_path, capsys):
+    from sentinels.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(_cli_args(out)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "--resume" in lines[0] and "--fresh" in lines[0] and "Traceback" not in err
+    assert main(_cli_args(out, "--fresh")) == 0
+    assert (tmp_path / "run.old-1" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_debug_shows_the_traceback(tmp_path, capsys):
+    from sentinels.cli import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(_cli_args(tmp_path / "file")) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert main(_cli_args(tmp_path / "file", "--debug")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "TrainerError" in err

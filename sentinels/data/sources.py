@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..errors import InputError
 from .batch import Batch
 
 log = logging.getLogger("sentinels.data")
@@ -31,7 +32,7 @@ log = logging.getLogger("sentinels.data")
 BAD_KINDS = ("malformed_json", "missing_text", "empty_doc", "non_utf8")
 
 
-class DataError(RuntimeError):
+class DataError(InputError, RuntimeError):
     """The data source cannot deliver documents (everything dropped, files missing, stream dead)."""
 
 

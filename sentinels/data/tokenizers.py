@@ -19,6 +19,8 @@ import logging
 import importlib.util
 from pathlib import Path
 
+from ..errors import InputError
+
 log = logging.getLogger("sentinels.data")
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + EOS
@@ -26,7 +28,7 @@ GPT2_VOCAB_SIZE = 50257  # 50256 BPE tokens + <|endoftext|>
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerUnavailable(RuntimeError):
+class TokenizerUnavailable(InputError, RuntimeError):
     """The files or packages a tokenizer needs are not installed."""
 
 

@@ -2,7 +2,7 @@
 same environment guard.
 
 Exit codes: 0 supported / PASS / GO / the trainer's own code after a launch; 1 unsupported environment, refused
-config, NO-GO, or refused launch; 2 bad arguments or an unreadable config.
+config, NO-GO, or refused launch; 2 bad arguments or an unreadable config (one line; `--debug` adds the traceback).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import json
 import os
 import sys
 
-from ..config import ConfigError, load_config
+from ..config import load_config
+from ..errors import add_debug_flag, run_reporting_errors
 from .code import code_identity
 from .env import check_env, collect_env_facts, format_verdict
 
@@ -112,19 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     _commit_arg(launch)
     launch.add_argument("--nproc", type=int, default=1, help="processes (GPUs) on this host (default 1)")
     launch.set_defaults(func=cmd_launch)
+    for command in sub.choices.values():
+        add_debug_flag(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # --commit disagreeing with git
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(args.func, args)
 
 
 def env_main(argv: list[str] | None = None) -> int:
