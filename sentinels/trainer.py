@@ -241,7 +241,9 @@ class Trainer:
                  save_checkpoints: bool = True, i_know_what_im_doing: bool = False, fresh: bool = False):
         self.cfg = cfg
         # The launch gate (docs/runbook.md): >= 5000 steps need a valid GO record, or the logged override.
-        self.launch_authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing)
+        # The trainer checks the record and the long-run rules itself, whatever launched it.
+        self.launch_authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing,
+                                                       save_checkpoints=save_checkpoints)
         if not self.launch_authorization.allowed:
             raise TrainerError(self.launch_authorization.reason)
         self.save_checkpoints = save_checkpoints

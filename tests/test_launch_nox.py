@@ -1,4 +1,4 @@
-"""noxfile.py (issue 7 item 1): every session the launch procedure relies on exists with a docstring; GPU sessions
+"""noxfile.py: every session the launch procedure relies on exists with a docstring; GPU sessions
 run in the current interpreter (venv_backend="none"), CPU sessions build their own virtualenv."""
 
 from __future__ import annotations
