@@ -258,7 +258,7 @@ CLI_CASES = ["train: empty config", "train: duplicate key", "train: missing conf
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
-def test_cli(case, tmp_path, capsys):
+def test_cli(case, tmp_path, capsys, single_torch_thread):
     from sentinels.cli import main as sentinels_main
     from sentinels.launch.cli import main as launch_main
 
