@@ -1,7 +1,8 @@
 """How the command lines (`python -m sentinels ...`, `python -m sentinels.launch ...`) report errors.
 
-Bad input (a config, a data file, an out_dir, a checkpoint, a GO record, an argument) is one line on stderr that
-names the file or the field and the rule, and exit code 2, with no traceback; `--debug` adds the traceback.
+Bad input (a config, a data file, an out_dir, a checkpoint, a GO record, an argument, a missing optional package)
+is one line on stderr that names the file or the field and the rule, and exit code 2, with no traceback;
+`--debug` adds the traceback.
 Ctrl-C outside the training loop (where it stops the run with a checkpoint) is one line and exit code 130. Any
 other exception is a bug or a failing machine and keeps its traceback.
 """
@@ -40,7 +41,7 @@ def run_reporting_errors(command: Callable[[argparse.Namespace], int], args: arg
             traceback.print_exc()
         print(f"interrupted: {one_line(exc) if str(exc) else 'Ctrl-C'}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (InputError, ValueError, OSError) as exc:
+    except (InputError, ValueError, OSError, ImportError) as exc:
         if debug:
             traceback.print_exc()
         print(f"error: {one_line(exc)}", file=sys.stderr)
