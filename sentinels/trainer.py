@@ -415,6 +415,7 @@ class Trainer:
         the previous one tried. Every rank must settle on the same checkpoint."""
         ckpt_dir = self.run_dir / CHECKPOINT_DIR
         failures: list[str] = []
+        chosen, state = None, None
         for i, entry in enumerate(candidates):
             try:
                 state = checkpoints.load_checkpoint(ckpt_dir, entry)
@@ -427,14 +428,18 @@ class Trainer:
                     self.events.append(Event("checkpoint_fallback", entry.step, message,
                                              data={"unusable": entry.file, "using": candidates[i + 1].file}))
                 continue
-            chosen = self._gather(entry.file)
-            if len(set(chosen)) != 1:
-                raise TrainerError(f"--resume: the ranks chose different checkpoints {chosen}: the checkpoint "
-                                   f"directory differs between ranks")
-            self._load_state(ckpt_dir / entry.file, state)
-            self._kept = [e for e in reversed(candidates[i:]) if e.step <= entry.step]
-            return ckpt_dir / entry.file
-        raise TrainerError(f"--resume: no usable checkpoint in {ckpt_dir}: " + "; ".join(failures))
+            chosen = i
+            break
+        on_ranks = self._gather(None if chosen is None else candidates[chosen].file)  # once on every rank
+        if len(set(on_ranks)) != 1:
+            raise TrainerError(f"--resume: the ranks chose different checkpoints {on_ranks}: the checkpoint "
+                               f"directory differs between ranks")
+        if chosen is None:
+            raise TrainerError(f"--resume: no usable checkpoint in {ckpt_dir}: " + "; ".join(failures))
+        entry = candidates[chosen]
+        self._load_state(ckpt_dir / entry.file, state)
+        self._kept = list(reversed(candidates[chosen:]))  # oldest first, the loaded one last
+        return ckpt_dir / entry.file
 
     def _load_state(self, path: Path, ckpt: dict[str, Any]) -> None:
         if ckpt["config_hash"] != self.cfg.config_hash():
