@@ -169,19 +169,16 @@ def test_unknown_commit_is_no_go(cfg, tmp_path):
     assert record["decision"] == NO_GO
 
 
-def test_copy_to_gets_the_record_the_logs_and_the_reports_and_no_environment_variable_redirects(
-        cfg, tmp_path, monkeypatch):
-    monkeypatch.setenv("OUT", str(tmp_path / "env-out"))  # a common shell variable: never an output location
+def test_copy_to_gets_the_record_the_logs_and_the_reports(cfg, tmp_path):
     gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1})]
     record, path = preflight(cfg, tmp_path, gates, copy_to=tmp_path / "copy")
-    assert not (tmp_path / "env-out").exists()
     copied = tmp_path / "copy"
     assert (copied / path.name).read_text() == path.read_text()
     log = Path(record["gates"][3]["log"])
     assert (copied / log.name).read_text() == log.read_text() and "running conformance-gpu" in log.read_text()
     assert json.loads((copied / "conformance-gpu" / "conformance-gpu.json").read_text()) == {"ok": 1}
-    record, _ = preflight(cfg, tmp_path / "again", gates)
-    assert not (tmp_path / "env-out").exists()
+    preflight(cfg, tmp_path / "again", gates)
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["records"]  # nothing but the record's folder
 
 
 # -- evidence ------------------------------------------------------------------------------------------------
