@@ -128,16 +128,20 @@ def test_halt_file_stops_after_a_checkpoint(tmp_path):
     assert resumed.status == "completed" and resumed.steps_done == 8 and not (tmp_path / ".HALT").exists()
 
 
-def test_sigterm_stops_after_a_checkpoint(tmp_path):
-    def send_sigterm(trainer, step):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_stop_after_a_checkpoint(tmp_path, name):
+    sig = getattr(signal, name)
 
-    previous = signal.getsignal(signal.SIGTERM)
-    _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=send_sigterm)
-    assert result.status == "halted" and result.steps_done == 2 and "SIGTERM" in result.halt_reason
+    def send(trainer, step):
+        if step == 1:
+            os.kill(os.getpid(), sig)
+
+    previous = signal.getsignal(sig)
+    _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=send)
+    assert result.status == "halted" and result.steps_done == 2 and name in result.halt_reason
     assert (tmp_path / "checkpoints" / "step_00000002.pt").exists()
-    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is restored
+    assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 2
+    assert signal.getsignal(sig) is previous  # the handler is restored
 
 
 def test_telemetry_and_metadata(tmp_path, corpus):
@@ -355,19 +359,7 @@ def test_checkpoint_directory_is_fsynced_after_each_rename(tmp_path, monkeypatch
             assert ("fsync-dir", inode, None) in events[i + 1:], f"{name}: its directory was not fsynced after the rename"
 
 
-# -- SIGINT, out_dir ------------------------------------------------------------------------------------------
-def test_sigint_stops_after_a_checkpoint_like_sigterm(tmp_path):
-    def send_sigint(trainer, step):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    previous = signal.getsignal(signal.SIGINT)
-    _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=send_sigint)
-    assert result.status == "halted" and result.steps_done == 2 and "SIGINT" in result.halt_reason
-    assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 2
-    assert signal.getsignal(signal.SIGINT) is previous
-
-
+# -- a second Ctrl-C, out_dir ------------------------------------------------------------------------------------------
 def test_a_second_sigint_aborts_at_once(tmp_path):
     def send_two(trainer, step):
         if step == 1:
