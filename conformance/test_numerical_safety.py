@@ -177,4 +177,5 @@ def test_nan_query_is_refused_or_stays_in_its_row(impl, preset, device):
     assert bool(torch.isnan(o[0, p, head]).all()), (
         f"q[0, {p}, {head}] is NaN but that query's output is {o[0, p, head].tolist()}: the NaN was hidden")
     nan_positions = sorted({int(t) for t in (~torch.isfinite(o[0])).nonzero()[:, 0]} - {p})
-    assert not nan_positions, f"a NaN in the query at position {p} made the outputs at positions {nan_positions} non-finite"
+    assert not nan_positions, (f"a NaN in the query at position {p} made the outputs at positions {nan_positions} "
+                               f"non-finite")

@@ -129,7 +129,8 @@ class NSAOutput:
     reads: Reads
 
 
-def check_inputs(q: Tensor, kv: BranchKV, gates: Tensor | None, cfg: NSAConfig, *, n_queries: int | None = None) -> None:
+def check_inputs(q: Tensor, kv: BranchKV, gates: Tensor | None, cfg: NSAConfig, *,
+                 n_queries: int | None = None) -> None:
     """Validate shapes and dtypes of the contract inputs; raise ValueError naming the tensor and the rule.
 
     n_queries: for decode, the number of new queries (q's T may be smaller than the keys' T).

@@ -284,10 +284,12 @@ def test_reuse_passed_runs_only_the_gates_that_did_not_pass(cfg, tmp_path):
              fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1})]
     second, path = run_preflight(cfg=cfg, config_path="c.yaml", overrides=[], resume=False, code=CODE, facts=FACTS,
                                  gate_commands=again, records_dir=tmp_path / "records", reuse_from=first,
-                                 check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None})
+                                 check_config_kwargs={"parameter_count": lambda c: 10,
+                                                      "tokenizer_check": lambda n: None})
     assert second["decision"] == GO and not marker.exists()
     conf = second["gates"][3]
-    assert conf["detail"].startswith("reused (--reuse-passed)") and conf["started_unix"] == first["gates"][3]["started_unix"]
+    assert conf["detail"].startswith("reused (--reuse-passed)")
+    assert conf["started_unix"] == first["gates"][3]["started_unix"]
     assert second["evidence_since_unix"] == conf["started_unix"]
     assert check_go_record(path, config_hash=cfg.config_hash(), code=CODE, gpus=FACTS.gpus).ok
 

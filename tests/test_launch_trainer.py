@@ -73,7 +73,8 @@ def test_a_hand_written_go_record_does_not_let_a_toy_model_train_on_the_cpu(long
     code = code_identity()
     now = time.time()
     forged = {"schema": policy.RECORD_SCHEMA, "decision": "GO", "reasons": [], "config_hash": long_cfg.config_hash(),
-              "code": code.as_dict(), "host": "forged", "gpus": [{"index": 0, "name": "NVIDIA H100", "capability": "9.0"}],
+              "code": code.as_dict(), "host": "forged",
+              "gpus": [{"index": 0, "name": "NVIDIA H100", "capability": "9.0"}],
               "gates": [{"name": name, "verdict": "PASS", "started_unix": now - 60, "finished_unix": now - 30,
                          "exit_code": 0, "reports": ["r.json"]} for name in gonogo.REQUIRED_GATES],
               "finished_unix": now - 30, "evidence_since_unix": now - 60}

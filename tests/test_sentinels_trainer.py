@@ -356,10 +356,10 @@ def test_checkpoint_directory_is_fsynced_after_each_rename(tmp_path, monkeypatch
     _train(_cfg(tmp_path, "train.steps=2", "train.save_every=2"))
     for i, (kind, inode, name) in enumerate(events):
         if kind == "replace" and name in ("step_00000002.pt", "latest.json"):
-            assert ("fsync-dir", inode, None) in events[i + 1:], f"{name}: its directory was not fsynced after the rename"
+            assert ("fsync-dir", inode, None) in events[i + 1:], f"{name}: directory not fsynced after the rename"
 
 
-# -- a second Ctrl-C, out_dir ------------------------------------------------------------------------------------------
+# -- a second Ctrl-C, out_dir ---------------------------------------------------------------------------------
 def test_a_second_sigint_aborts_at_once(tmp_path):
     def send_two(trainer, step):
         if step == 1:

@@ -268,7 +268,8 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
     run = runner or run_subprocess
     if parallel:
         save()
-        gates += _run_concurrently(gate_commands, gates, reusable, run, lambda g: records_dir / f"{config_hash}.{g}.log")
+        gates += _run_concurrently(gate_commands, gates, reusable, run,
+                                   lambda g: records_dir / f"{config_hash}.{g}.log")
     for gate in [] if parallel else gate_commands:
         save()
         if any(g.verdict != PASS for g in gates):
