@@ -153,3 +153,29 @@ def test_long_sequence_stays_finite(impl, preset, device, low_dtype):
     for dtype in (torch.float64, low_dtype):
         out, grads = forward_and_grads(impl, x.to(dtype=dtype), cfg, 12)
         assert_finite(out, grads, f"T=320 {dtype}")
+
+
+def test_nan_query_is_refused_or_stays_in_its_row(impl, preset, device):
+    """A NaN in one query (q at one position and head) is refused with a ValueError (an input check), or it
+    shows as NaN in that query's output and in no other position's: an implementation must neither answer a
+    non-finite question with a finite number nor spread the NaN to other queries."""
+    impl.require("nsa_forward")
+    equal = preset.cmp_block == preset.cmp_stride == preset.sel_block
+    sizes = dict(cmp_block=4, cmp_stride=4, sel_block=4) if equal else dict(cmp_block=4, cmp_stride=2, sel_block=8)
+    cfg = preset.replace(**sizes, n_sel=3, n_init=1, n_local=1, window=8, n_heads=4, n_kv_heads=2,
+                         head_dim_qk=8, head_dim_v=4)
+    T, p, head = 24, 13, 1
+    x = make_inputs(cfg, T, seed=5, device=device, shared_kv=impl.shared_kv)
+    with torch.no_grad():
+        x.q[0, p, head, 0] = float("nan")
+    try:
+        out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)
+    except ValueError as exc:
+        assert "q" in str(exc), f"refused a NaN in q without naming q: {exc}"
+        return
+    o = out.o.detach().cpu()
+    assert bool(torch.isnan(o[0, p, head]).all()), (
+        f"q[0, {p}, {head}] is NaN but that query's output is {o[0, p, head].tolist()}: the NaN was hidden")
+    nan_positions = sorted({int(t) for t in (~torch.isfinite(o[0])).nonzero()[:, 0]} - {p})
+    assert not nan_positions, (f"a NaN in the query at position {p} made the outputs at positions {nan_positions} "
+                               f"non-finite")

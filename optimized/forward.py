@@ -1,7 +1,7 @@
 """nsa_forward (prefill) and decode_step: the three vectorized branches combined by the gates (Eq. 5), with the
 Eq. 6 reads counted from the masks and index sets each branch applied.
 
-range_backend="triton" (issue 8) runs the compressed and window branches on the range-attention kernel,
+range_backend="triton" runs the compressed and window branches on the range-attention kernel,
 Eq. 8 + 10 on the group-scores kernel (reusing the compressed branch's log-sum-exp) and Eq. 9-11 on the top-n
 kernel, in the inputs' own precision with fp32 accumulation, and Eq. 5 in one kernel; the selected branch
 follows `backend` as before. The torch default keeps the
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from reference.config import NSAConfig
-from reference.contract import KV, BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
+from reference.contract import KV, BranchKV, NSAOutput, PhiWeights, Reads, check_finite_inputs, check_inputs
 
 from .compressed import compressed_attention_kernel_rows, compressed_attention_rows
 from .compression import compress_unrounded
@@ -118,15 +118,19 @@ def _nsa_forward_rows_on_kernels(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NS
 
 def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
                 backend: str = "auto", chunk_size: int | None = None, indices: Tensor | None = None,
-                cu_seqlens: Tensor | None = None, range_backend: str = "torch") -> NSAOutput:
+                cu_seqlens: Tensor | None = None, range_backend: str = "torch",
+                check_finite: bool = False) -> NSAOutput:
     """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch.
 
     backend: selected-branch backend ("auto" | "torch" | "triton", see optimized.selected); chunk_size: query
     positions per chunk in every branch (default: sized from a memory budget); indices: teacher-forced
     selection (default: computed); cu_seqlens: a packed batch (B = 1) of documents, each computed exactly as if
     alone (document-relative indices, reads counted per document); range_backend: "torch" (default) or "triton"
-    (the compressed and window branches and Eq. 8 + 10 on the range kernels; module docstring)."""
+    (the compressed and window branches and Eq. 8 + 10 on the range kernels; module docstring); check_finite:
+    refuse NaN/Inf inputs with a ValueError naming the tensor (off by default: it reads every input once more)."""
     check_inputs(q, kv, gates, cfg)
+    if check_finite:
+        check_finite_inputs(q, kv, gates, phi)
     if q.shape[1] == 0:
         raise ValueError("q must hold at least one position (T >= 1)")
     positions = torch.arange(q.shape[1], device=q.device)

@@ -17,14 +17,17 @@ class NSAAttention(ReferenceNSAAttention):
     """One NSA attention layer; backend picks the selected-branch backend ("auto" | "torch" | "triton")."""
 
     def __init__(self, hidden_size: int, cfg: NSAConfig, *, gate_hidden: int | None = None,
-                 phi_hidden: int | None = None, rope_base: float = 10000.0, backend: str = "auto"):
+                 phi_hidden: int | None = None, rope_base: float = 10000.0, backend: str = "auto",
+                 check_finite: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        super().__init__(hidden_size, cfg, gate_hidden=gate_hidden, phi_hidden=phi_hidden, rope_base=rope_base)
+        super().__init__(hidden_size, cfg, gate_hidden=gate_hidden, phi_hidden=phi_hidden, rope_base=rope_base,
+                         check_finite=check_finite)
         self.backend = backend
 
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
                            cu_seqlens: Tensor | None = None) -> NSAOutput:
         """The vectorized NSA; cu_seqlens: a packed batch, computed on the packed path directly (no loop over
         documents). The reference module's project() restarts RoPE positions at each document start."""
-        return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend, cu_seqlens=cu_seqlens)
+        return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend, cu_seqlens=cu_seqlens,
+                           check_finite=self.check_finite)

@@ -12,6 +12,7 @@ implementation against the convention it actually claims.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,18 @@ _POSITIVE = (
     "head_dim_v",
 )
 _NON_NEGATIVE = ("n_init", "n_local")
+# The most elements a forward puts in one row it allocates: offsets into a tensor are 32-bit in the Triton kernels
+# (and in several torch index paths), so a row longer than this cannot be addressed.
+MAX_ELEMENTS = 2**31 - 1
+# (factors, what a forward allocates per token or per query with that many elements)
+_ALLOCATED_ROWS = (
+    (("n_heads", "head_dim_qk"), "one token's query row"),
+    (("n_heads", "head_dim_v"), "one token's output row"),
+    (("cmp_block", "head_dim_qk"), "one compressed block of keys (the input of phi, Eq. 7)"),
+    (("cmp_block", "head_dim_v"), "one compressed block of values (the input of phi, Eq. 7)"),
+    (("window", "head_dim_qk"), "one query's window keys"),
+    (("n_sel", "sel_block", "head_dim_qk"), "one query's selected keys (n blocks of l' tokens, Eq. 12)"),
+)
 _CHOICES = {
     "phi": PHI,
     "window_keys": WINDOW_KEYS,
@@ -64,12 +77,13 @@ class NSAConfig:
     group_reduce: str = "sum"  # Eq. 10 over the heads of a group: "sum" | "mean"
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE:
+        for name in _POSITIVE + _NON_NEGATIVE:  # numpy integers become Python ints (hashing, JSON, kernels)
             _require_int(name, getattr(self, name))
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"NSAConfig.{name} must be a positive integer, got {getattr(self, name)}")
         for name in _NON_NEGATIVE:
-            _require_int(name, getattr(self, name))
             if getattr(self, name) < 0:
                 raise ValueError(f"NSAConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name, allowed in _CHOICES.items():
@@ -92,6 +106,16 @@ class NSAConfig:
             raise ValueError(
                 f"NSAConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) (GQA)"
             )
+        for factors, what in _ALLOCATED_ROWS:
+            values = [getattr(self, name) for name in factors]
+            elements = 1
+            for value in values:
+                elements *= value
+            if elements > MAX_ELEMENTS:
+                names = " * ".join(f"NSAConfig.{name}" for name in factors)
+                shown = " * ".join(str(v) for v in values)
+                raise ValueError(f"{names} = {shown} = {elements:,} elements in {what}: a forward allocates it and "
+                                 f"cannot address more than {MAX_ELEMENTS:,} (32-bit offsets)")
 
     # Derived sizes -------------------------------------------------------------------------
     @property
@@ -138,7 +162,7 @@ class NSAConfig:
 
 
 def _require_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"NSAConfig.{name} must be an int, got {type(value).__name__} {value!r}")
 
 

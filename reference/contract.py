@@ -129,13 +129,15 @@ class NSAOutput:
     reads: Reads
 
 
-def check_inputs(q: Tensor, kv: BranchKV, gates: Tensor | None, cfg: NSAConfig, *, n_queries: int | None = None) -> None:
+def check_inputs(q: Tensor, kv: BranchKV, gates: Tensor | None, cfg: NSAConfig, *,
+                 n_queries: int | None = None) -> None:
     """Validate shapes and dtypes of the contract inputs; raise ValueError naming the tensor and the rule.
 
     n_queries: for decode, the number of new queries (q's T may be smaller than the keys' T).
     """
     if not isinstance(cfg, NSAConfig):
         raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
+    _check_branch_kv(kv)
     _check_tensor("q", q, 4)
     B, Tq, Hq, dk = q.shape
     if Hq != cfg.n_heads:
@@ -175,6 +177,46 @@ def check_inputs(q: Tensor, kv: BranchKV, gates: Tensor | None, cfg: NSAConfig, 
             raise ValueError(f"gates must have shape [B, T, Hq, 3] = {(B, Tq, Hq, 3)}, got {tuple(gates.shape)}")
         if gates.dtype != q.dtype:
             raise ValueError(f"gates dtype {gates.dtype} != q dtype {q.dtype}")
+
+
+def _check_branch_kv(kv: BranchKV) -> None:
+    if not isinstance(kv, BranchKV):
+        raise ValueError(f"kv must be a reference.contract.BranchKV (independent keys/values per branch; "
+                         f"BranchKV.shared(k, v) for one k/v pair), got {type(kv).__name__}")
+    for name in BRANCHES:
+        if not isinstance(kv.branch(name), KV):
+            raise ValueError(f"kv.{name} must be a reference.contract.KV(k, v), got {type(kv.branch(name)).__name__}")
+
+
+def check_finite(**tensors: Tensor | None) -> None:
+    """Raise ValueError naming the first tensor that holds NaN or +-Inf (with the count and the first index).
+
+    Keyword names are the names the message uses, e.g. check_finite(q=q, gates=gates); None is skipped and a
+    tensor passed under several names is checked once."""
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        bad = ~torch.isfinite(t.detach())
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) (NaN or Inf), the first at {first}; "
+                             f"pass check_finite=False to skip this check")
+
+
+def check_finite_inputs(q: Tensor, kv: BranchKV, gates: Tensor | None, phi: PhiWeights | None = None) -> None:
+    """check_finite over the contract inputs: q, each branch's k and v, gates and the phi weights."""
+    tensors: dict[str, Tensor | None] = {"q": q}
+    for name in BRANCHES:
+        tensors[f"kv.{name}.k"], tensors[f"kv.{name}.v"] = kv.branch(name)
+    tensors["gates"] = gates
+    if phi is not None:
+        for part in ("k", "v"):
+            weights = getattr(phi, part)
+            for field in ("pos", "w1", "b1", "w2", "b2"):
+                tensors[f"phi.{part}.{field}"] = getattr(weights, field)
+    check_finite(**tensors)
 
 
 def _check_tensor(name: str, t: Tensor, ndim: int) -> None:

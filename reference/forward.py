@@ -9,7 +9,7 @@ from torch import Tensor
 from .branches import selected_attention_rows, window_attention_rows
 from .compression import compress, compressed_attention_rows
 from .config import NSAConfig
-from .contract import BRANCHES, KV, BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
+from .contract import BRANCHES, KV, BranchKV, NSAOutput, PhiWeights, Reads, check_finite_inputs, check_inputs
 from .documents import document_spans
 from .selection import select_blocks_rows, selection_scores_rows
 
@@ -39,18 +39,22 @@ def _forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: P
 
 
 def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
-                cu_seqlens: Tensor | None = None) -> NSAOutput:
+                cu_seqlens: Tensor | None = None, check_finite: bool = True) -> NSAOutput:
     """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch.
 
     Packed (cu_seqlens, B = 1): every document runs alone (positions, blocks, forced blocks and windows restart
-    at its start) and the results are concatenated: indices are document-relative, reads counted per document."""
+    at its start) and the results are concatenated: indices are document-relative, reads counted per document.
+    check_finite: refuse NaN/Inf in q, k, v, gates or phi with a ValueError naming the tensor (default on: the
+    oracle never answers with NaN for a question that was not finite)."""
     check_inputs(q, kv, gates, cfg)
+    if check_finite:
+        check_finite_inputs(q, kv, gates, phi)
     if q.shape[1] == 0:
         raise ValueError("q must hold at least one position (T >= 1)")
     if cu_seqlens is not None:
         spans = document_spans(cu_seqlens, "q", q)
-        return concat_outputs([nsa_forward(q[:, s:e], document_kv(kv, s, e), gates[:, s:e], cfg, phi)
-                               for s, e in spans if e > s])
+        return concat_outputs([nsa_forward(q[:, s:e], document_kv(kv, s, e), gates[:, s:e], cfg, phi,
+                                           check_finite=False) for s, e in spans if e > s])
     return _forward_rows(q, kv, gates, cfg, phi, list(range(q.shape[1])))
 
 
@@ -77,14 +81,17 @@ def concat_outputs(outputs: list[NSAOutput]) -> NSAOutput:
     )
 
 
-def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None) -> NSAOutput:
+def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+                check_finite: bool = True) -> NSAOutput:
     """Decode: q [B, TQ, Hq, d_k] holds the newest TQ queries (TQ = 1 for one step), i.e. positions
     TK-TQ .. TK-1 of the TK cached keys/values in kv (which include the new tokens' own keys).
 
     The reference keeps no incremental state: it recompresses the cache each call, which is what makes
-    it a trustworthy oracle for a cached implementation."""
+    it a trustworthy oracle for a cached implementation. check_finite: as in nsa_forward."""
     TQ = q.shape[1]
     check_inputs(q, kv, gates, cfg, n_queries=TQ)
+    if check_finite:
+        check_finite_inputs(q, kv, gates, phi)
     TK = kv.win.k.shape[1]
     if not 1 <= TQ <= TK:
         raise ValueError(f"decode_step needs 1 <= TQ <= TK, got TQ={TQ}, TK={TK}")

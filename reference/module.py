@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .config import NSAConfig
-from .contract import KV, BRANCHES, BranchKV, NSAOutput, PhiMLPWeights, PhiWeights
+from .contract import KV, BRANCHES, BranchKV, NSAOutput, PhiMLPWeights, PhiWeights, check_finite
 from .forward import nsa_forward
 from .packing import check_cu_seqlens
 
@@ -70,12 +70,15 @@ class NSAAttention(nn.Module):
     q: one projection shared by the branches; k/v: independent projections per branch (Section 3.3.3);
     RoPE rotates q and every branch's k before compression, never v; gates: sigmoid(MLP(x)) per query
     head and branch, the MLP's last layer zero-initialised (every gate starts at exactly 0.5).
+    check_finite (attribute and keyword; default on here, off in optimized.NSAAttention): refuse NaN/Inf in x and
+    in the functional NSA's inputs with a ValueError naming the tensor.
     """
 
     def __init__(self, hidden_size: int, cfg: NSAConfig, *, gate_hidden: int | None = None,
-                 phi_hidden: int | None = None, rope_base: float = 10000.0):
+                 phi_hidden: int | None = None, rope_base: float = 10000.0, check_finite: bool = True):
         super().__init__()
         self.cfg = cfg
+        self.check_finite = check_finite
         self.hidden_size = hidden_size
         self.rope_base = rope_base
         Hq, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
@@ -96,7 +99,7 @@ class NSAAttention(nn.Module):
     # The functional NSA this module calls; optimized.NSAAttention overrides it.
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
                            cu_seqlens: Tensor | None = None) -> NSAOutput:
-        return nsa_forward(q, kv, gates, self.cfg, phi, cu_seqlens=cu_seqlens)
+        return nsa_forward(q, kv, gates, self.cfg, phi, cu_seqlens=cu_seqlens, check_finite=self.check_finite)
 
     def phi_weights(self) -> PhiWeights | None:
         if self.cfg.phi != "mlp":
@@ -121,6 +124,8 @@ class NSAAttention(nn.Module):
 
     def attention(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> NSAOutput:
         """The NSA output object (branch outputs, indices, reads) before the output projection."""
+        if self.check_finite:
+            check_finite(x=x)
         if cu_seqlens is None:  # a subclass whose seams predate packing (no cu_seqlens) still runs unpacked input
             q, kv, gates = self.project(x, position_offset)
             return self.functional_forward(q, kv, gates, self.phi_weights())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import shutil
 import sys
@@ -13,7 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import load_config
+from .errors import InputError, add_debug_flag, run_reporting_errors
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,17 +33,13 @@ def device_slug() -> str:
 
 # ------------------------------------------------------------------------------------------------ train
 def cmd_train(args: argparse.Namespace) -> int:
-    from .trainer import Trainer, TrainerError
+    from .trainer import Trainer
 
     overrides = list(args.override) + ([f"data.packing={args.packing}"] if args.packing else [])
     cfg = load_config(args.config, overrides)
-    try:
-        trainer = Trainer(cfg, resume=args.resume, synthetic_on_fail=args.synthetic_on_fail,
-                          i_know_what_im_doing=args.i_know_what_im_doing,
-                          extra_metadata={"config_path": str(args.config), "overrides": overrides})
-    except TrainerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    trainer = Trainer(cfg, resume=args.resume, fresh=args.fresh, synthetic_on_fail=args.synthetic_on_fail,
+                      i_know_what_im_doing=args.i_know_what_im_doing,
+                      extra_metadata={"config_path": str(args.config), "overrides": overrides})
     try:
         result = trainer.train()
     finally:
@@ -80,7 +76,7 @@ def _resolve_corpus(arg: str | None, work_dir: Path, log) -> Path | None:
     if arg:
         path = Path(arg)
         if not path.is_file():
-            raise SystemExit(f"error: --corpus {path} does not exist")
+            raise InputError(f"--corpus {path}: file not found")
         return path
     default = REPO_ROOT / DEFAULT_WIKI_OUT
     if default.is_file():
@@ -112,8 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="sentinels-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    out_root = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "reports" / "sentinels"
-                                                 if os.environ.get("OUT") else REPO_ROOT / "reports" / "sentinels")
+    out_root = Path(args.out) if args.out else REPO_ROOT / "reports" / "sentinels"
     started = time.time()
     if profile.cpu_threads is not None:
         torch.set_num_threads(profile.cpu_threads)
@@ -153,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dotted override of the run config, e.g. -o train.seq_len=1024")
     run.add_argument("--corpus", help="JSONL real-text corpus (default: data/sentinels/wiki.jsonl, else prepared "
                                       "from gensim into the work dir)")
-    run.add_argument("--out", help="report directory (default: $OUT/reports/sentinels if $OUT is set, else "
-                                   "reports/sentinels)")
+    run.add_argument("--out", help="report directory (default: reports/sentinels)")
     run.add_argument("--work-dir", help="where the sentinel runs write (default: a temporary directory)")
     run.add_argument("--keep-runs", action="store_true", help="keep the temporary run directories")
     run.add_argument("--budget-s", type=float, help="wall-clock budget (default: the profile's)")
@@ -168,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data.packing: contiguous token windows, or varlen = documents packed into one row per "
                             "micro-batch with their boundaries (cu_seqlens); same as -o data.packing=...")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.out_dir")
+    train.add_argument("--fresh", action="store_true",
+                       help="start over in a non-empty train.out_dir: its contents move to <out_dir>.old-N first")
     train.add_argument("--i-know-what-im-doing", action="store_true",
                        help="start a run of >= 5000 steps without a valid GO record (docs/runbook.md); the override "
                             "is logged and written into metadata.json")
@@ -181,14 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--input", nargs="*", help="text: input files")
     prep.add_argument("--min-chars", type=int, default=500, help="wiki: drop articles shorter than this")
     prep.set_defaults(func=cmd_prepare)
+    for command in sub.choices.values():
+        add_debug_flag(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(args.func, args)

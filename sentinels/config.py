@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,9 +22,10 @@ import yaml
 from reference.config import NSAConfig
 
 from . import thresholds
+from .errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A run config key is unknown, has the wrong type, or breaks a rule (the message names the key)."""
 
 
@@ -344,22 +346,81 @@ def from_dict(values: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Parse a YAML run config; overrides are 'dotted.key=yaml-value' strings applied on top."""
+    """Parse a YAML run config; overrides are 'dotted.key=yaml-value' strings applied on top.
+
+    Refused with the file and line: a file that is missing or unreadable, invalid YAML, a file with no settings
+    (empty or comments only: it would start a default run), a key set twice in one mapping."""
     path = Path(path)
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {path} must hold a mapping, got {type(values).__name__}")
+    values = _read_yaml_mapping(path)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like dotted.key=value")
         key, raw = item.split("=", 1)
-        _set_dotted(values, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_one_line(exc)})") from None
+        _set_dotted(values, key.strip(), value)
     return from_dict(values)
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _read_yaml_mapping(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _refuse_duplicate_keys(node, path, "")
+        values = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f"{mark.line + 1}" if mark is not None else "1"
+        problem = " ".join(str(part) for part in (exc.context, exc.problem) if part)
+        raise ConfigError(f"{path}:{line}: not valid YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}:1: not valid YAML: {_one_line(exc)}") from None
+    finally:
+        loader.dispose()
+    if values is None:
+        last = max(1, len(text.splitlines()))
+        raise ConfigError(f"{path}:{last}: the config file holds no settings (empty, or comments only): refusing to "
+                          f"start a run of default settings")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}:{node.start_mark.line + 1}: a run config must hold a mapping of keys at the top "
+                          f"level, got {type(values).__name__}")
+    return values
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: Path, prefix: str) -> None:
+    """A key set twice in one mapping: YAML keeps the last value, so one setting would be silently ignored."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, path, f"{prefix}[{i}]")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_line: dict[Any, int] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        line = key_node.start_mark.line + 1
+        if key in first_line:
+            raise ConfigError(f"{path}:{line}: duplicate key {dotted} (first set on line {first_line[key]}): YAML "
+                              f"keeps only the last value, so one of them would be silently ignored")
+        first_line[key] = line
+        _refuse_duplicate_keys(value_node, path, dotted)
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -434,11 +495,13 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: must be a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

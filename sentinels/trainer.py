@@ -5,10 +5,13 @@ Run directory (train.out_dir):
     config.yaml, metadata.json         resolved config; hash, git commit, versions, tokenizer fingerprint
     heartbeat.jsonl, metrics.csv       one record per step (rank 0)
     events.jsonl                       monitor events (loss floor, gate collapse, watchdog, data fallback)
-    checkpoints/step_XXXXXXXX.pt       atomic (temp file + os.replace); checkpoints/latest.json points at the newest
+    checkpoints/step_XXXXXXXX.pt       plain data loaded with weights_only=True; checkpoints/latest.json lists the kept
+                                       ones with their sha256 (sentinels/checkpoints.py: atomic, fsynced, fallback)
     loss_floor_dump.pt / .jsonl        the last batches when the loss-floor monitor trips
     .HALT                              create it to stop after the next step (a checkpoint is written first)
-SIGTERM stops like .HALT; SIGUSR1 dumps every thread's stack to stderr (faulthandler).
+SIGTERM and SIGINT (Ctrl-C) stop like .HALT; a second Ctrl-C aborts at once, without a checkpoint. SIGUSR1 dumps
+every thread's stack to stderr (faulthandler). A new run refuses a non-empty train.out_dir unless it resumes
+(--resume) or starts over (--fresh: the old contents are moved to <out_dir>.old-N, nothing is deleted).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
+import io
 import json
 import logging
 import math
@@ -37,11 +41,15 @@ import torch.distributed as dist
 import yaml
 from torch.nn.parallel import DistributedDataParallel
 
+from . import checkpoints
+from .checkpoints import (CHECKPOINT_DIR, CheckpointEntry, CheckpointError, atomic_torch_save,  # noqa: F401
+                          atomic_write_bytes)
 from .config import RunConfig
 from .data.batch import Batch
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .data.tokenizers import get_tokenizer
+from .errors import InputError
 from .model import NSALanguageModel, build_model, count_parameters, lm_loss
 from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
 from .launch.gonogo import authorize_training
@@ -49,12 +57,15 @@ from .telemetry import ProgressBar, Telemetry
 
 log = logging.getLogger("sentinels.train")
 
-CHECKPOINT_DIR = "checkpoints"
 HALT_FILE = ".HALT"
 
 
-class TrainerError(RuntimeError):
+class TrainerError(InputError, RuntimeError):
     """The run cannot start or resume (message says why)."""
+
+
+class AbortedError(KeyboardInterrupt):
+    """A second Ctrl-C: the run stops at once, without a checkpoint."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -116,15 +127,22 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as plain data (tuples, lists, numbers, tensors): checkpoints load with weights_only."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"bit_generator": str(name), "keys": [int(k) for k in keys], "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["bit_generator"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -166,32 +184,36 @@ def tokenizer_info(cfg: RunConfig) -> dict[str, Any]:
             "backend": getattr(tok, "backend", "python")}
 
 
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as fh:
-        fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def move_aside(run_dir: Path) -> Path:
+    """--fresh: rename a non-empty run directory to <name>.old-N (the first free N) and return the new path."""
+    n = 1
+    while (target := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
+        n += 1
+    os.replace(run_dir, target)
+    checkpoints.fsync_dir(run_dir.parent)
+    return target
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / CHECKPOINT_DIR / "latest.json"
-    if not pointer.exists():
-        return None
-    path = run_dir / CHECKPOINT_DIR / json.loads(pointer.read_text())["file"]
-    if not path.exists():
-        raise TrainerError(f"{pointer} names {path.name}, which does not exist")
-    return path
+def check_out_dir(cfg: RunConfig, *, resume: bool, fresh: bool) -> Path:
+    """The run directory, refused when it cannot be written or when a new run would mix with an old one."""
+    run_dir = Path(cfg.train.out_dir)
+    if resume and fresh:
+        raise TrainerError("--resume and --fresh exclude each other: continue the run in train.out_dir, or start "
+                           "over there")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainerError(f"train.out_dir {run_dir}: a file exists and is not a directory; choose another out_dir")
+    if resume or fresh or not run_dir.is_dir():
+        return run_dir
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if entries:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        fresh_hint = f"start over with --fresh (the contents move to {run_dir.name}.old-N)"
+        if checkpoints.has_checkpoint(run_dir):
+            advice = f"it holds checkpoints of an earlier run ({shown}): continue it with --resume, or {fresh_hint}"
+        else:
+            advice = f"it holds no checkpoint to --resume from ({shown}): {fresh_hint}"
+        raise TrainerError(f"train.out_dir {run_dir} is not empty: {advice}, or choose another out_dir")
+    return run_dir
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -216,14 +238,16 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, synthetic_on_fail: bool = False,
                  batch_source: Any = None, step_hook: Callable[["Trainer", int], None] | None = None,
                  console: bool = True, extra_metadata: dict[str, Any] | None = None,
-                 save_checkpoints: bool = True, i_know_what_im_doing: bool = False):
+                 save_checkpoints: bool = True, i_know_what_im_doing: bool = False, fresh: bool = False):
         self.cfg = cfg
         # The launch gate (docs/runbook.md): >= 5000 steps need a valid GO record, or the logged override.
-        self.launch_authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing)
+        # The trainer checks the record and the long-run rules itself, whatever launched it.
+        self.launch_authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing,
+                                                       save_checkpoints=save_checkpoints)
         if not self.launch_authorization.allowed:
             raise TrainerError(self.launch_authorization.reason)
         self.save_checkpoints = save_checkpoints
-        self.run_dir = Path(cfg.train.out_dir)
+        self.run_dir = check_out_dir(cfg, resume=resume, fresh=fresh)
         self.device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
         self.dist = init_distributed(self.device.type)
         self.step_hook = step_hook
@@ -236,19 +260,29 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
+        candidates: list[CheckpointEntry] = []
+        if resume:
+            candidates, problems = checkpoints.resume_candidates(self.run_dir)
+            if not candidates:
+                raise TrainerError(f"--resume: no checkpoint in {self.run_dir / CHECKPOINT_DIR}"
+                                   + (f" ({'; '.join(problems)})" if problems else ""))
+            for problem in problems:
+                log.warning("resume: %s", problem)
+        self.events: list[Event] = []
+        # The data source is built (and a local source checked) before the model: a bad file stops the run here.
+        shard = ShardSpec.for_rank(self.dist.rank, self.dist.world_size)
+        self.data = batch_source if batch_source is not None else BatchSource(
+            cfg, shard, synthetic_on_fail=synthetic_on_fail, on_fallback=self._on_data_fallback)
+        self._barrier()  # every rank has judged out_dir before rank 0 changes it
         if self.dist.is_main:
+            if fresh and self.run_dir.is_dir() and any(self.run_dir.iterdir()):
+                moved = move_aside(self.run_dir)
+                log.warning("--fresh: moved the previous contents of %s to %s", self.run_dir, moved)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._barrier()
-        ckpt_path = latest_checkpoint(self.run_dir)
-        if resume and ckpt_path is None:
-            raise TrainerError(f"--resume: no checkpoint in {self.run_dir / CHECKPOINT_DIR}")
-        if not resume and ckpt_path is not None:
-            raise TrainerError(f"{self.run_dir} already holds checkpoints: pass --resume to continue it, or choose "
-                               f"another train.out_dir")
-        stale_halt = self.run_dir / HALT_FILE
-        if self.dist.is_main and stale_halt.exists():  # left by the stop this run resumes from
-            log.warning("removing %s from a previous stop before starting", stale_halt)
-            stale_halt.unlink()
+            stale_halt = self.run_dir / HALT_FILE
+            if stale_halt.exists():  # left by the stop this run resumes from
+                log.warning("removing %s from a previous stop before starting", stale_halt)
+                stale_halt.unlink()
         self._barrier()
 
         torch.manual_seed(cfg.train.seed)
@@ -266,13 +300,9 @@ class Trainer:
             lr=t.lr, betas=(t.beta1, t.beta2), fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, cfg) / t.lr)
 
-        self.events: list[Event] = []
-        shard = ShardSpec.for_rank(self.dist.rank, self.dist.world_size)
-        self.data = batch_source if batch_source is not None else BatchSource(
-            cfg, shard, synthetic_on_fail=synthetic_on_fail, on_fallback=self._on_data_fallback)
         self.start_step = 0
-        if ckpt_path is not None:
-            self._load_checkpoint(ckpt_path)
+        self._kept: list[CheckpointEntry] = []  # the checkpoints latest.json lists (oldest first)
+        ckpt_path = self._resume(candidates) if resume else None
 
         self.loss_floor = LossFloorMonitor(cfg.monitors.loss_floor)
         self.gate_collapse = GateCollapseMonitor(cfg.monitors.gate_collapse)
@@ -288,6 +318,7 @@ class Trainer:
         if self.dist.is_main:
             self._write_metadata(resumed_from=str(ckpt_path) if ckpt_path else None, extra=extra_metadata or {})
         self._stop_signal: str | None = None
+        self._sigints = 0
 
     # -- helpers ---------------------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -364,9 +395,7 @@ class Trainer:
         path = None
         if self.dist.is_main:
             ckpt_dir = self.run_dir / CHECKPOINT_DIR
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            path = ckpt_dir / f"step_{next_step:08d}.pt"
-            atomic_torch_save({
+            self._kept = checkpoints.write_checkpoint(ckpt_dir, {
                 "step": next_step,
                 "config": self.cfg.to_dict(),
                 "config_hash": self.cfg.config_hash(),
@@ -376,47 +405,92 @@ class Trainer:
                 "data": data_states,
                 "rng": rng_states,
                 "monitor_counts": {"loss_floor_tripped": self.loss_floor.tripped},
-            }, path)
-            atomic_write_bytes(ckpt_dir / "latest.json", json.dumps({"file": path.name, "step": next_step}).encode())
-            kept = sorted(ckpt_dir.glob("step_*.pt"))
-            for old in kept[: -self.cfg.train.keep_checkpoints]:
-                old.unlink()
+            }, self._kept, self.cfg.train.keep_checkpoints)
+            path = ckpt_dir / self._kept[-1].file
         self._barrier()
         return path
 
-    def _load_checkpoint(self, path: Path) -> None:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    def _resume(self, candidates: list[CheckpointEntry]) -> Path:
+        """Load the newest usable checkpoint of `candidates` (newest first); each unusable one is reported and
+        the previous one tried. Every rank must settle on the same checkpoint."""
+        ckpt_dir = self.run_dir / CHECKPOINT_DIR
+        failures: list[str] = []
+        chosen, state = None, None
+        for i, entry in enumerate(candidates):
+            try:
+                state = checkpoints.load_checkpoint(ckpt_dir, entry)
+            except CheckpointError as exc:
+                failures.append(str(exc))
+                if i + 1 < len(candidates):
+                    message = (f"checkpoint {entry.file} is unusable, resuming from the previous kept one, "
+                               f"{candidates[i + 1].file}: {exc}")
+                    log.warning("resume: %s", message)
+                    self.events.append(Event("checkpoint_fallback", entry.step, message,
+                                             data={"unusable": entry.file, "using": candidates[i + 1].file}))
+                continue
+            chosen = i
+            break
+        on_ranks = self._gather(None if chosen is None else candidates[chosen].file)  # once on every rank
+        if len(set(on_ranks)) != 1:
+            raise TrainerError(f"--resume: the ranks chose different checkpoints {on_ranks}: the checkpoint "
+                               f"directory differs between ranks")
+        if chosen is None:
+            raise TrainerError(f"--resume: no usable checkpoint in {ckpt_dir}: " + "; ".join(failures))
+        entry = candidates[chosen]
+        self._load_state(ckpt_dir / entry.file, state)
+        self._kept = list(reversed(candidates[chosen:]))  # oldest first, the loaded one last
+        return ckpt_dir / entry.file
+
+    def _load_state(self, path: Path, ckpt: dict[str, Any]) -> None:
         if ckpt["config_hash"] != self.cfg.config_hash():
             diff = _dict_diff(ckpt["config"], self.cfg.to_dict())
             raise TrainerError(f"--resume: {path} was written with a different config; differing keys: {diff}")
         if len(ckpt["data"]) != self.dist.world_size:
             raise TrainerError(f"--resume: checkpoint has {len(ckpt['data'])} ranks, this run has "
                                f"{self.dist.world_size}")
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        self.data.load_state_dict(ckpt["data"][self.dist.rank])
+        try:
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+            self.data.load_state_dict(ckpt["data"][self.dist.rank])
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            raise TrainerError(f"--resume: {path} does not fit this run: {type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0][:300]}") from None
         self._resume_rng = ckpt["rng"][self.dist.rank]
         self.start_step = int(ckpt["step"])
         log.info("resumed from %s at step %d", path, self.start_step)
 
     # -- signals ---------------------------------------------------------------------------------
     def _install_signals(self) -> Callable[[], None]:
+        """SIGTERM and SIGINT (Ctrl-C) stop after the current step with a checkpoint; a second SIGINT aborts at
+        once (AbortedError, no checkpoint). SIGUSR1 dumps every thread's stack."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = signal.getsignal(signal.SIGTERM)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-        def on_sigterm(signum, frame):
-            self._stop_signal = "SIGTERM"
-            log.warning("SIGTERM received: stopping after this step (a checkpoint will be written)")
+        def on_stop(signum, frame):
+            name = signal.Signals(signum).name
+            if signum == signal.SIGINT:
+                self._sigints += 1
+                if self._sigints > 1:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    raise AbortedError("a second Ctrl-C: aborted at once, without a checkpoint")
+            self._stop_signal = self._stop_signal or name
+            extra = "; press Ctrl-C again to abort at once without one" if signum == signal.SIGINT else ""
+            log.warning("%s received: stopping after this step (a checkpoint will be written)%s", name, extra)
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        for sig in previous:
+            signal.signal(sig, on_stop)
         has_usr1 = hasattr(signal, "SIGUSR1")
         if has_usr1:
-            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+            try:
+                faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+            except (io.UnsupportedOperation, ValueError, AttributeError):  # sys.stderr has no file descriptor
+                faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
 
         def restore():
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             if has_usr1:
                 faulthandler.unregister(signal.SIGUSR1)
 
@@ -572,7 +646,9 @@ class Trainer:
                     self.save_checkpoint(done)
                 if stop:
                     status, halt_reason = "halted", halt_now or "another rank halted"
-                    log.warning("run halted after step %d (checkpoint written): %s", step, halt_reason)
+                    written = (f"checkpoint {checkpoints.checkpoint_name(done)} written" if self.save_checkpoints
+                               else "no checkpoint: this run saves none")
+                    log.warning("run halted after %d of %d steps (%s): %s", done, cfg.steps, written, halt_reason)
                     step = done
                     break
                 step = done

@@ -28,11 +28,6 @@ def cfg(tmp_path):
         **{"train.device": "cuda", "train.precision": "bf16", "train.out_dir": str(tmp_path / "run")})
 
 
-@pytest.fixture(autouse=True)
-def no_out(monkeypatch):
-    monkeypatch.delenv("OUT", raising=False)
-
-
 def fake_gate(name: str, report_dir: Path, *, exit_code: int = 0, report: dict | None = None,
               evidence=lambda reports: None if reports else "no report", marker: Path | None = None) -> GateCommand:
     """A subprocess that prints a line, may write a JSON report and a marker file, and exits with exit_code."""
@@ -46,11 +41,12 @@ def fake_gate(name: str, report_dir: Path, *, exit_code: int = 0, report: dict |
     return GateCommand(name, [sys.executable, "-c", script], (report_dir,), evidence)
 
 
-def preflight(cfg, tmp_path, gate_commands, *, facts=FACTS, code=CODE, parallel=False):
+def preflight(cfg, tmp_path, gate_commands, *, facts=FACTS, code=CODE, parallel=False, check_config_kwargs=None,
+              **kwargs):
+    rule_facts = check_config_kwargs or {"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None}
     return run_preflight(cfg=cfg, config_path="configs/x.yaml", overrides=["train.lr=0.001"], resume=False,
                          code=code, facts=facts, gate_commands=gate_commands, records_dir=tmp_path / "records",
-                         check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None},
-                         parallel=parallel)
+                         check_config_kwargs=rule_facts, parallel=parallel, **kwargs)
 
 
 def test_all_gates_pass_gives_go(cfg, tmp_path):
@@ -66,7 +62,7 @@ def test_all_gates_pass_gives_go(cfg, tmp_path):
     assert sub["exit_code"] == 0 and sub["reports"] == [str(tmp_path / "rc" / "conformance-gpu.json")]
     assert "running conformance-gpu" in Path(sub["log"]).read_text()
     assert record["overrides"] == ["train.lr=0.001"]
-    assert check_go_record(path, config_hash=cfg.config_hash(), code=CODE).ok
+    assert check_go_record(path, config_hash=cfg.config_hash(), code=CODE, gpus=FACTS.gpus).ok
 
 
 def test_failing_gate_gives_no_go_and_skips_the_rest(cfg, tmp_path):
@@ -140,31 +136,49 @@ def test_old_reports_do_not_count_as_evidence(cfg, tmp_path):
     assert record["gates"][3]["reports"] == [] and record["decision"] == NO_GO
 
 
-def test_unsupported_env_runs_no_gpu_gate(cfg, tmp_path):
+NO_GPU = EnvFacts(python="3.11.7", torch="2.13.0+cpu", cuda=None, triton="3.7.1", gpus=())
+
+
+def test_preflight_stops_at_the_first_failed_gate(cfg, tmp_path):
+    """As the runbook says: after the env gate fails, the config gate is not run (SKIP), nor any GPU gate."""
     marker = tmp_path / "ran"
     gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}, marker=marker)]
-    no_gpu = EnvFacts(python="3.11.7", torch="2.13.0+cpu", cuda=None, triton="3.7.1", gpus=())
-    record, _ = preflight(cfg, tmp_path, gates, facts=no_gpu)
+    record, _ = preflight(cfg, tmp_path, gates, facts=NO_GPU, check_config_kwargs={
+        "parameter_count": lambda c: pytest.fail("the config gate ran after a failed gate"),
+        "tokenizer_check": lambda n: None})
+    verdicts = {g["name"]: g["verdict"] for g in record["gates"]}
+    assert verdicts == {"code": "PASS", "env": "FAIL", "config": "SKIP", "conformance-gpu": "SKIP"}
+    assert "no CUDA device" in record["gates"][1]["detail"] and "--keep-going" in record["gates"][2]["detail"]
+    assert not marker.exists()
+
+
+def test_keep_going_judges_every_in_process_gate_but_never_starts_a_gpu_gate(cfg, tmp_path):
+    marker = tmp_path / "ran"
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1}, marker=marker)]
+    record, _ = preflight(cfg, tmp_path, gates, facts=NO_GPU, keep_going=True)
     verdicts = {g["name"]: g["verdict"] for g in record["gates"]}
     assert verdicts == {"code": "PASS", "env": "FAIL", "config": "FAIL", "conformance-gpu": "SKIP"}
-    assert "no CUDA device" in record["gates"][1]["detail"] and "[device]" in record["gates"][2]["detail"]
-    assert not marker.exists()
+    assert "[device]" in record["gates"][2]["detail"] and not marker.exists()
 
 
 def test_unknown_commit_is_no_go(cfg, tmp_path):
     unknown = CodeIdentity(commit=None, commit_source="unknown", dirty=None, source_digest="d" * 64)
     record, _ = preflight(cfg, tmp_path, [], code=unknown)
     assert record["gates"][0]["verdict"] == "FAIL" and "--commit" in record["gates"][0]["detail"]
+    assert [g["verdict"] for g in record["gates"]] == ["FAIL", "SKIP", "SKIP"]
     assert record["decision"] == NO_GO
 
 
-def test_record_and_gate_logs_are_copied_to_out_when_set(cfg, tmp_path, monkeypatch):
-    monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    record, path = preflight(cfg, tmp_path, [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1})])
-    copied = tmp_path / "out" / "reports" / "preflight"
+def test_copy_to_gets_the_record_the_logs_and_the_reports(cfg, tmp_path):
+    gates = [fake_gate("conformance-gpu", tmp_path / "rc", report={"ok": 1})]
+    record, path = preflight(cfg, tmp_path, gates, copy_to=tmp_path / "copy")
+    copied = tmp_path / "copy"
     assert (copied / path.name).read_text() == path.read_text()
     log = Path(record["gates"][3]["log"])
     assert (copied / log.name).read_text() == log.read_text() and "running conformance-gpu" in log.read_text()
+    assert json.loads((copied / "conformance-gpu" / "conformance-gpu.json").read_text()) == {"ok": 1}
+    preflight(cfg, tmp_path / "again", gates)
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["records"]  # nothing but the record's folder
 
 
 # -- evidence ------------------------------------------------------------------------------------------------
@@ -228,14 +242,17 @@ def test_given_commit_must_agree_with_git():
         code_identity(REPO, given_commit="0" * 40)
 
 
-def test_default_gate_commands_call_the_nox_sessions_with_the_config():
+def test_default_gate_commands_call_the_nox_sessions_with_the_config_and_their_own_report_dirs(tmp_path):
     from sentinels.launch.gates import default_gate_commands
 
-    conf, sent = default_gate_commands("configs/prod-125m.yaml", ["train.lr=0.001"], "h1")
-    assert conf.name == "conformance-gpu" and conf.argv == [sys.executable, "-m", "nox", "-s", "conformance-gpu"]
+    conf, sent = default_gate_commands("configs/prod-125m.yaml", ["train.lr=0.001"], "h1", tmp_path)
+    conf_dir, sent_dir = tmp_path / "h1.conformance-gpu.reports", tmp_path / "h1.sentinels-gpu.reports"
+    assert conf.name == "conformance-gpu" and conf.argv == [sys.executable, "-m", "nox", "-s", "conformance-gpu",
+                                                            "--", "--report-dir", str(conf_dir)]
     assert sent.name == "sentinels-gpu" and sent.argv == [sys.executable, "-m", "nox", "-s", "sentinels-gpu", "--",
-                                                          "--config", "configs/prod-125m.yaml", "-o", "train.lr=0.001"]
-    assert REPO / "reports" / "conformance" in conf.report_dirs and REPO / "reports" / "sentinels" in sent.report_dirs
+                                                          "--config", "configs/prod-125m.yaml", "-o", "train.lr=0.001",
+                                                          "--out", str(sent_dir)]
+    assert conf.report_dirs == (conf_dir,) and sent.report_dirs == (sent_dir,)
 
 
 # -- a preflight cut off by a time limit, finished with --reuse-passed -----------------------------------------
@@ -267,12 +284,14 @@ def test_reuse_passed_runs_only_the_gates_that_did_not_pass(cfg, tmp_path):
              fake_gate("sentinels-gpu", tmp_path / "rs", report={"ok": 1})]
     second, path = run_preflight(cfg=cfg, config_path="c.yaml", overrides=[], resume=False, code=CODE, facts=FACTS,
                                  gate_commands=again, records_dir=tmp_path / "records", reuse_from=first,
-                                 check_config_kwargs={"parameter_count": lambda c: 10, "tokenizer_check": lambda n: None})
+                                 check_config_kwargs={"parameter_count": lambda c: 10,
+                                                      "tokenizer_check": lambda n: None})
     assert second["decision"] == GO and not marker.exists()
     conf = second["gates"][3]
-    assert conf["detail"].startswith("reused (--reuse-passed)") and conf["started_unix"] == first["gates"][3]["started_unix"]
+    assert conf["detail"].startswith("reused (--reuse-passed)")
+    assert conf["started_unix"] == first["gates"][3]["started_unix"]
     assert second["evidence_since_unix"] == conf["started_unix"]
-    assert check_go_record(path, config_hash=cfg.config_hash(), code=CODE).ok
+    assert check_go_record(path, config_hash=cfg.config_hash(), code=CODE, gpus=FACTS.gpus).ok
 
 
 @pytest.mark.parametrize("change", ["commit", "digest", "gpu", "torch", "config"])

@@ -1,5 +1,6 @@
 """GO/NO-GO records (sentinels/launch/gonogo.py): the decision, the launch check (missing, NO-GO, stale,
-mismatched commit / config / source digest, inconsistent, unreadable), and the trainer's authorization."""
+mismatched commit / config / source digest / GPU, inconsistent, edited, unreadable), and the trainer's
+authorization (the record and the long-run rules, whatever launched it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from sentinels.config import load_config
 from sentinels.launch import policy
 from sentinels.launch.code import CodeIdentity
+from sentinels.launch.env import EnvFacts, GpuFacts
 from sentinels.launch.gonogo import (FAIL, GO, NO_GO, PASS, REQUIRED_GATES, SKIP, GateResult, authorize_training,
                                      build_record, check_go_record, decide, record_path, write_record)
 
@@ -20,18 +22,23 @@ NOW = 1_800_000_000.0
 CODE = CodeIdentity(commit="a" * 40, commit_source="git", dirty=False, source_digest="d" * 64)
 ENV = {"python": "3.11.7", "torch": "2.4.1", "cuda": "12.4", "triton": "3.0.0",
        "gpus": [{"index": 0, "name": "NVIDIA H100", "capability": "9.0"}]}
+H100 = (GpuFacts(0, "NVIDIA H100", (9, 0)),)
+HOST = EnvFacts(python="3.11.7", torch="2.4.1", cuda="12.4", triton="3.0.0", gpus=H100)
+RULES_PASS = {"parameter_count": lambda c: 125_000_000, "tokenizer_check": lambda n: None}
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config(REPO / "configs" / "tiny-cpu.yaml").replace(**{"train.steps": 6000, "train.save_every": 600})
+    return load_config(REPO / "configs" / "tiny-cpu.yaml").replace(
+        **{"train.steps": 6000, "train.save_every": 600, "train.device": "cuda", "train.precision": "bf16"})
 
 
 PREFLIGHT_S = 600  # the preflight in these records starts PREFLIGHT_S before it finishes
 
 
 def gates(finished=NOW, **verdicts) -> list[GateResult]:
-    return [GateResult(name, verdicts.get(name.replace("-", "_"), PASS), "detail", finished - 100, finished - 50)
+    return [GateResult(name, verdicts.get(name.replace("-", "_"), PASS), "detail", finished - 100, finished - 50,
+                       **({"exit_code": 0, "command": ["nox"], "reports": [f"{name}.json"]} if "gpu" in name else {}))
             for name in REQUIRED_GATES]
 
 
@@ -42,8 +49,15 @@ def make_record(cfg, tmp_path, *, gate_results=None, code=CODE, finished=NOW) ->
     return write_record(record, tmp_path)
 
 
-def go_check(cfg, path, *, code=CODE, now=NOW):
-    return check_go_record(path, config_hash=cfg.config_hash(), code=code, now_unix=now)
+def go_check(cfg, path, *, code=CODE, now=NOW, gpus=H100):
+    return check_go_record(path, config_hash=cfg.config_hash(), code=code, gpus=gpus, now_unix=now)
+
+
+def edit(path: Path, change) -> Path:
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+    return path
 
 
 # -- decision -------------------------------------------------------------------------------------------------
@@ -106,13 +120,15 @@ def test_future_dated_record_refuses(cfg, tmp_path):
     path = make_record(cfg, tmp_path, finished=NOW + PREFLIGHT_S + policy.GO_RECORD_MAX_CLOCK_SKEW_S + 60)
     check = go_check(cfg, path)
     assert not check.ok and "in the future" in check.reason
-    assert go_check(cfg, make_record(cfg, tmp_path, finished=NOW + PREFLIGHT_S + 10)).ok  # small skew is tolerated
+    small_skew = NOW + policy.GO_RECORD_MAX_CLOCK_SKEW_S - 10  # the record finished just "after" now
+    assert go_check(cfg, make_record(cfg, tmp_path, finished=small_skew)).ok
 
 
 def test_age_counts_from_the_oldest_gate(cfg, tmp_path):
     """A gate reused from an earlier preflight (--reuse-passed) keeps its start time, and the record ages with it."""
     results = gates(NOW)
-    results[3] = GateResult("conformance-gpu", PASS, "reused", NOW - 20 * 3600, NOW - 19.9 * 3600, exit_code=0)
+    results[3] = GateResult("conformance-gpu", PASS, "reused", NOW - 20 * 3600, NOW - 19.9 * 3600, exit_code=0,
+                            reports=["reports/conformance/optimized-cuda.json"])
     path = make_record(cfg, tmp_path, gate_results=results)
     assert go_check(cfg, path, now=NOW + 3 * 3600).ok
     check = go_check(cfg, path, now=NOW + 4.1 * 3600)
@@ -194,21 +210,92 @@ def test_a_later_no_go_replaces_an_earlier_go(cfg, tmp_path):
     assert not go_check(cfg, path).ok
 
 
+# -- a record edited or written by hand -----------------------------------------------------------------------
+def test_nan_evidence_time_is_refused(cfg, tmp_path):
+    """NaN compares false both ways, so an age check on it would pass: every number must be finite."""
+    path = edit(make_record(cfg, tmp_path), lambda r: r.update(evidence_since_unix=float("nan")))
+    check = go_check(cfg, path, now=NOW + 60)
+    assert not check.ok and "evidence_since_unix" in check.reason and "finite" in check.reason
+
+
+def test_age_is_recomputed_from_the_gates_not_read_from_the_record(cfg, tmp_path):
+    """Gates 25 h old with evidence_since_unix edited to now: the age comes from the gates' own start times."""
+    path = make_record(cfg, tmp_path, finished=NOW - 25 * 3600)
+    edit(path, lambda r: r.update(evidence_since_unix=NOW - 60, finished_unix=NOW - 60))
+    check = go_check(cfg, path)
+    assert not check.ok and ("stale" in check.reason or "evidence_since_unix" in check.reason), check.reason
+    edit(path, lambda r: r.update(evidence_since_unix=min(g["started_unix"] for g in r["gates"])))
+    check = go_check(cfg, path)
+    assert not check.ok and "is stale: its oldest gate started 25.0 h ago" in check.reason
+
+
+@pytest.mark.parametrize("field,value", [("started_unix", float("nan")), ("started_unix", float("inf")),
+                                         ("finished_unix", float("-inf")), ("started_unix", "yesterday"),
+                                         ("started_unix", None), ("finished_unix", NOW - 500)])
+def test_gate_times_must_be_finite_and_in_order(cfg, tmp_path, field, value):
+    def change(record):
+        record["gates"][2][field] = value
+
+    check = go_check(cfg, edit(make_record(cfg, tmp_path), change), now=NOW + 60)
+    assert not check.ok and "gate config" in check.reason and field in check.reason, check.reason
+
+
+def test_a_gate_dated_in_the_future_is_refused(cfg, tmp_path):
+    def change(record):
+        record["gates"][4]["started_unix"] = NOW + 3600
+        record["gates"][4]["finished_unix"] = NOW + 3700
+
+    check = go_check(cfg, edit(make_record(cfg, tmp_path), change), now=NOW + 60)
+    assert not check.ok and "in the future" in check.reason
+
+
+@pytest.mark.parametrize("change,rule", [
+    (lambda g: g.update(exit_code=None), "exit code"),
+    (lambda g: g.update(exit_code=1), "exit code"),
+    (lambda g: g.update(reports=[]), "no report"),
+])
+def test_a_gpu_gate_without_its_evidence_is_refused(cfg, tmp_path, change, rule):
+    """A hand-written GO record in which no GPU suite ran (no exit code, no report) does not authorize."""
+    path = edit(make_record(cfg, tmp_path), lambda r: change(r["gates"][3]))
+    check = go_check(cfg, path, now=NOW + 60)
+    assert not check.ok and "gate conformance-gpu" in check.reason and rule in check.reason, check.reason
+
+
+def test_a_gate_listed_twice_is_refused(cfg, tmp_path):
+    path = edit(make_record(cfg, tmp_path), lambda r: r["gates"].append(dict(r["gates"][0], verdict=FAIL)))
+    check = go_check(cfg, path, now=NOW + 60)
+    assert not check.ok and "more than once" in check.reason
+
+
+@pytest.mark.parametrize("gpus,why", [
+    ((), "no GPU is visible"),
+    ((GpuFacts(0, "NVIDIA A100-SXM4-80GB", (8, 0)),), "NVIDIA A100-SXM4-80GB"),
+    ((H100[0], GpuFacts(1, "NVIDIA A10", (8, 6))), "NVIDIA A10"),
+])
+def test_a_record_of_other_gpus_does_not_authorize_this_host(cfg, tmp_path, gpus, why):
+    check = go_check(cfg, make_record(cfg, tmp_path), now=NOW + 60, gpus=gpus)
+    assert not check.ok and why in check.reason, check.reason
+    assert go_check(cfg, make_record(cfg, tmp_path), now=NOW + 60, gpus=H100 + H100).ok  # more of the same GPU
+
+
 # -- the trainer's authorization ------------------------------------------------------------------------------
 def test_short_run_needs_no_record(cfg, tmp_path):
     short = cfg.replace(**{"train.steps": policy.LONG_RUN_STEPS - 1})
-    auth = authorize_training(short, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW)
+    auth = authorize_training(short, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW,
+                              facts=HOST, check_config_kwargs=RULES_PASS)
     assert auth.allowed and auth.metadata == {"long_run": False, "steps": policy.LONG_RUN_STEPS - 1}
 
 
 def test_long_run_without_record_is_refused(cfg, tmp_path):
-    auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW)
+    auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW,
+                              facts=HOST, check_config_kwargs=RULES_PASS)
     assert not auth.allowed
     assert "refusing a 6000-step run" in auth.reason and "--i-know-what-im-doing" in auth.reason
 
 
 def test_long_run_override_is_allowed_and_logged(cfg, tmp_path, caplog):
-    auth = authorize_training(cfg, i_know_what_im_doing=True, records_dir=tmp_path, code=CODE, now_unix=NOW)
+    auth = authorize_training(cfg, i_know_what_im_doing=True, records_dir=tmp_path, code=CODE, now_unix=NOW,
+                              facts=HOST, check_config_kwargs=RULES_PASS)
     assert auth.allowed and auth.metadata["override"] is True and auth.metadata["go_record_valid"] is False
     assert "no GO record" in auth.metadata["go_check"]
     assert any("OVERRIDDEN" in r.getMessage() for r in caplog.records)
@@ -216,17 +303,58 @@ def test_long_run_override_is_allowed_and_logged(cfg, tmp_path, caplog):
 
 def test_long_run_with_valid_record_is_allowed_without_override(cfg, tmp_path):
     make_record(cfg, tmp_path)
-    auth = authorize_training(cfg, i_know_what_im_doing=True, records_dir=tmp_path, code=CODE, now_unix=NOW + 60)
+    auth = authorize_training(cfg, i_know_what_im_doing=True, records_dir=tmp_path, code=CODE, now_unix=NOW + 60,
+                              facts=HOST, check_config_kwargs=RULES_PASS)
     assert auth.allowed and auth.metadata["go_record_valid"] is True and auth.metadata["override"] is False
 
 
 def test_long_run_with_stale_record_is_refused(cfg, tmp_path):
     make_record(cfg, tmp_path)
     auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE,
-                              now_unix=NOW - PREFLIGHT_S + policy.GO_RECORD_MAX_AGE_S + 1)
+                              now_unix=NOW - PREFLIGHT_S + policy.GO_RECORD_MAX_AGE_S + 1, facts=HOST,
+                              check_config_kwargs=RULES_PASS)
     assert not auth.allowed and "stale" in auth.reason
 
 
 def test_default_clock_is_now(cfg, tmp_path):
     make_record(cfg, tmp_path, finished=time.time() - 10)
-    assert authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE).allowed
+    assert authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, facts=HOST,
+                              check_config_kwargs=RULES_PASS).allowed
+
+
+def test_trainer_reapplies_the_long_run_rules_even_with_a_valid_record(cfg, tmp_path):
+    """A GO record (forged, or for a config the rules would refuse on this host) never lets a toy model train
+    on the CPU without checkpoints: the trainer applies the preflight's rules itself."""
+    toy = cfg.replace(**{"train.device": "cpu", "train.save_every": 0})
+    make_record(toy, tmp_path)
+    auth = authorize_training(toy, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW + 60,
+                              facts=HOST, check_config_kwargs={"tokenizer_check": lambda n: None})
+    assert not auth.allowed and auth.metadata["go_record_valid"] is True
+    for rule in ("[device]", "[save_every]", "[model_size]"):
+        assert rule in auth.reason
+    assert [f.split("]")[0] + "]" for f in auth.metadata["rule_findings"]] == ["[device]", "[save_every]",
+                                                                               "[model_size]"]
+
+
+def test_trainer_refuses_a_long_run_that_saves_no_checkpoints(cfg, tmp_path):
+    make_record(cfg, tmp_path)
+    auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW + 60,
+                              facts=HOST, check_config_kwargs=RULES_PASS, save_checkpoints=False)
+    assert not auth.allowed and "[checkpoints]" in auth.reason
+
+
+def test_trainer_reapplies_the_environment_guard(cfg, tmp_path):
+    make_record(cfg, tmp_path)
+    no_triton = EnvFacts(python="3.11.7", torch="2.4.1", cuda="12.4", triton=None, gpus=H100)
+    auth = authorize_training(cfg, i_know_what_im_doing=False, records_dir=tmp_path, code=CODE, now_unix=NOW + 60,
+                              facts=no_triton, check_config_kwargs=RULES_PASS)
+    assert not auth.allowed and "[env] triton does not import" in auth.reason
+
+
+def test_override_covers_the_rules_and_logs_each(cfg, tmp_path, caplog):
+    toy = cfg.replace(**{"train.device": "cpu"})
+    auth = authorize_training(toy, i_know_what_im_doing=True, records_dir=tmp_path, code=CODE, now_unix=NOW,
+                              facts=HOST, check_config_kwargs={"tokenizer_check": lambda n: None})
+    assert auth.allowed and auth.metadata["override"] is True
+    assert any("[device]" in f for f in auth.metadata["rule_findings"])
+    assert "OVERRIDDEN" in caplog.text and "[model_size]" in caplog.text

@@ -32,10 +32,12 @@ def cfg(tmp_path):
 
 
 def go_record(cfg, records: Path, finished=NOW) -> Path:
-    gates = [GateResult(name, PASS, "ok", finished - 10, finished) for name in REQUIRED_GATES]
+    gates = [GateResult(name, PASS, "ok", finished - 10, finished,
+                        **({"exit_code": 0, "reports": [f"{name}.json"]} if "gpu" in name else {}))
+             for name in REQUIRED_GATES]
     return write_record(build_record(cfg=cfg, config_path="configs/x.yaml", overrides=[], resume=False, code=CODE,
-                                     env={}, gates=gates, started_unix=finished - 100, finished_unix=finished,
-                                     host="h"), records)
+                                     env=FACTS.as_dict(), gates=gates, started_unix=finished - 100,
+                                     finished_unix=finished, host="h"), records)
 
 
 def decide(cfg, tmp_path, *, nproc=2, facts=FACTS, code=CODE, now=NOW + 60, resume=False):
@@ -90,12 +92,21 @@ def test_more_processes_than_gpus_refuses(cfg, tmp_path):
     assert decide(cfg, tmp_path, nproc=0).reasons == ("--nproc must be >= 1, got 0",)
 
 
+def test_record_of_another_gpu_model_refuses(cfg, tmp_path):
+    go_record(cfg, tmp_path / "records")
+    a100 = EnvFacts(python="3.11.7", torch="2.4.1", cuda="12.4", triton="3.0.0",
+                    gpus=(GpuFacts(0, "NVIDIA A100-SXM4-80GB", (8, 0)),))
+    decision = decide(cfg, tmp_path, nproc=1, facts=a100)
+    reason = decision.reasons[0]
+    assert not decision.ok and "does not vouch" in reason and "NVIDIA A100-SXM4-80GB" in reason
+
+
 def test_environment_is_checked_again_at_launch(cfg, tmp_path):
     go_record(cfg, tmp_path / "records")
     old_gpu = EnvFacts(python="3.11.7", torch="2.4.1", cuda="12.4", triton="3.0.0",
                        gpus=(GpuFacts(0, "Tesla V100", (7, 0)),))
     decision = decide(cfg, tmp_path, nproc=1, facts=old_gpu)
-    assert not decision.ok and decision.reasons[0].startswith("env: GPU 0 (Tesla V100)")
+    assert not decision.ok and any(r.startswith("env: GPU 0 (Tesla V100)") for r in decision.reasons)
 
 
 def test_out_dir_filled_since_the_preflight_refuses_unless_resuming(cfg, tmp_path):

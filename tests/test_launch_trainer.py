@@ -1,9 +1,11 @@
-"""The trainer's own refusal (issue 7 item 5): `python -m sentinels train` of >= 5000 steps refuses without a valid
-GO record, before it touches train.out_dir; --i-know-what-im-doing overrides it and lands in metadata.json."""
+"""The trainer's own refusal: `python -m sentinels train` of >= 5000 steps refuses without a valid GO record, or
+when the long-run rules fail on this host (whatever launched it, a forged record included), before it touches
+train.out_dir; --i-know-what-im-doing overrides it and lands in metadata.json."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,30 @@ def test_short_run_records_that_no_gate_applied(long_cfg):
     finally:
         trainer.close()
     assert meta["launch_authorization"] == {"long_run": False, "steps": policy.LONG_RUN_STEPS - 1}
+
+
+def test_a_hand_written_go_record_does_not_let_a_toy_model_train_on_the_cpu(long_cfg, tmp_path, monkeypatch):
+    """A GO record written by hand for this exact code and config (no gate ever ran, host "forged") is refused,
+    and even if it were not, the trainer's own long-run rules refuse a toy model on the CPU."""
+    from sentinels.launch import gonogo
+    from sentinels.launch.code import code_identity
+
+    records = tmp_path / "records"
+    monkeypatch.setattr(gonogo, "RECORDS_DIR", records)
+    code = code_identity()
+    now = time.time()
+    forged = {"schema": policy.RECORD_SCHEMA, "decision": "GO", "reasons": [], "config_hash": long_cfg.config_hash(),
+              "code": code.as_dict(), "host": "forged",
+              "gpus": [{"index": 0, "name": "NVIDIA H100", "capability": "9.0"}],
+              "gates": [{"name": name, "verdict": "PASS", "started_unix": now - 60, "finished_unix": now - 30,
+                         "exit_code": 0, "reports": ["r.json"]} for name in gonogo.REQUIRED_GATES],
+              "finished_unix": now - 30, "evidence_since_unix": now - 60}
+    records.mkdir()
+    record_path(long_cfg.config_hash(), records).write_text(json.dumps(forged))
+    with pytest.raises(TrainerError) as err:
+        Trainer(long_cfg, console=False)
+    message = str(err.value)
+    assert "does not vouch for this host: no GPU is visible" in message
+    for rule in ("[device]", "[model_size]", "[env]"):
+        assert rule in message
+    assert not Path(long_cfg.train.out_dir).exists()

@@ -89,3 +89,43 @@ def test_summary_has_the_preflight_fields():
     for key in ("precision", "save_every", "steps", "out_dir", "parameters", "tokenizer", "seq_len", "sel_block",
                 "config_hash"):
         assert key in summary
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n# and another\n", "---\n", "~\n"])
+def test_empty_or_comment_only_file_is_refused(tmp_path, text):
+    """An empty config would silently start a default run: refused, naming the file and its last line."""
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{path}:\d+: the config file holds no settings"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text, line, key, first", [
+    ("train:\n  steps: 10\n  lr: 0.1\n  steps: 20\n", 4, "train.steps", 2),
+    ("name: a\nmodel:\n  d_model: 64\nname: b\n", 4, "name", 1),
+    ("model:\n  nsa:\n    n_sel: 4\n    window: 8\n    n_sel: 8\n", 5, "model.nsa.n_sel", 3),
+])
+def test_duplicate_keys_are_refused_with_both_lines(tmp_path, text, line, key, first):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:{line}: duplicate key {key} (first set on line {first}): YAML keeps only the " \
+                             f"last value, so one of them would be silently ignored"
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = _write(tmp_path, "train:\n  steps: 10\n  lr: [0.1\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:\d+: not valid YAML: "):
+        load_config(path)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_numbers_are_refused(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"train\.lr: must be a finite number"):
+        load_config(_write(tmp_path, f"train:\n  lr: {value}\n"))
+
+
+@pytest.mark.parametrize("path_kind", ["missing", "directory"])
+def test_config_path_that_is_not_a_file_is_named(tmp_path, path_kind):
+    path = tmp_path / "nope.yaml" if path_kind == "missing" else tmp_path
+    with pytest.raises(ConfigError, match=rf"config file {path} (does not exist|is a directory)"):
+        load_config(path)

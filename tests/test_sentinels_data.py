@@ -401,3 +401,76 @@ def test_prepare_wiki_from_the_gensim_excerpt(tmp_path):
     corpus = LocalCorpus([str(tmp_path / "wiki.jsonl")], "jsonl")
     docs_stream = LocalDocuments(corpus, 0, ShardSpec(0, 1))
     assert len(docs_stream.next_text()) >= 500 and docs_stream.quality.skipped == 0
+
+
+# ------------------------------------------------------------------- data sources checked before the model
+def _local_cfg(source: str, *paths, **data):
+    return from_dict({"data": {"source": source, "paths": [str(p) for p in paths], **data},
+                      "train": {"seq_len": 8, "micro_batch_size": 2}})
+
+
+@pytest.mark.parametrize("content, source, rule", [
+    (b"", "jsonl", "is empty"),
+    (b"\n\n  \n", "text", "holds no document"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00", "text", "line 3 holds NUL bytes: a binary file"),
+    (b"ELF\x00\x00\x00binary\x00\n", "text", "binary"),
+    ("caf\xe9 latin-1 text\n".encode("latin-1"), "text", "not UTF-8 text"),
+    (b'{"body": "no text field"}\n{"title": "x"}\n', "jsonl", "no string field 'text'"),
+    (b"plain words, not json\n", "jsonl", "not JSON"),
+    (b'["a list"]\n', "jsonl", "no string field 'text'"),
+])
+def test_a_local_source_without_one_readable_document_is_refused_up_front(tmp_path, content, source, rule):
+    good = _write_lines(tmp_path / "good.jsonl", [json.dumps({"text": "fine"}).encode()])
+    bad = tmp_path / f"bad.{source}"
+    bad.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        BatchSource(_local_cfg(source, good, bad) if source == "jsonl" else _local_cfg(source, bad),
+                    ShardSpec(0, 1), synthetic_on_fail=False)
+    message = str(err.value)
+    index = 1 if source == "jsonl" else 0
+    assert message.startswith(f"data.paths[{index}] {bad}") and rule in message, message
+
+
+def test_a_directory_or_a_missing_path_is_named(tmp_path):
+    for path, rule in ((tmp_path, "is a directory, not a file"), (tmp_path / "nope.jsonl", "not found")):
+        with pytest.raises(DataError, match=rf"^data\.paths\[0\] {path}: .*{rule}"):
+            BatchSource(_local_cfg("jsonl", path), ShardSpec(0, 1), synthetic_on_fail=False)
+
+
+def test_bad_leading_records_are_skipped_when_a_good_one_follows(tmp_path):
+    path = _write_lines(tmp_path / "d.jsonl", [b"{broken", json.dumps({"text": "a real document"}).encode()])
+    src = BatchSource(_local_cfg("jsonl", path), ShardSpec(0, 1), synthetic_on_fail=False)
+    assert src.next_batch().inputs.shape == (2, 8)
+
+
+def test_an_unreadable_source_falls_back_only_when_asked(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    reasons = []
+    src = BatchSource(_local_cfg("jsonl", empty), ShardSpec(0, 1), synthetic_on_fail=True,
+                      on_fallback=reasons.append)
+    assert src.fallback is not None and "is empty" in reasons[0]
+
+
+def test_fineweb_without_datasets_is_refused_up_front(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
+    with pytest.raises(DataError, match=r"^data\.source 'fineweb' needs the `datasets` package"):
+        BatchSource(_fineweb_cfg(), ShardSpec(0, 1), synthetic_on_fail=False)
+
+
+def test_gpt2_without_regex_is_tokenizer_unavailable(monkeypatch):
+    """The docs promise TokenizerUnavailable (naming what to install) for a tokenizer whose packages are missing."""
+    import sys
+
+    from sentinels.data.tokenizers import TokenizerUnavailable
+
+    get_tokenizer.cache_clear()
+    monkeypatch.setitem(sys.modules, "regex", None)  # import regex -> ImportError
+    try:
+        with pytest.raises(TokenizerUnavailable, match=r"data\.tokenizer 'gpt2' needs the `regex` package"):
+            get_tokenizer("gpt2")
+    finally:
+        get_tokenizer.cache_clear()

@@ -4,6 +4,7 @@ dump, DDP on CPU through torchrun (gloo)."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import signal
@@ -95,9 +96,11 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     _train(_cfg(tmp_path, "train.save_every=2", "train.keep_checkpoints=2"))
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest.json", "step_00000006.pt", "step_00000008.pt"]
-    assert json.loads((ckpts / "latest.json").read_text())["step"] == 8
+    latest = json.loads((ckpts / "latest.json").read_text())
+    assert latest["step"] == 8 and [e["file"] for e in latest["kept"]] == ["step_00000006.pt", "step_00000008.pt"]
+    assert latest["sha256"] == hashlib.sha256((ckpts / "step_00000008.pt").read_bytes()).hexdigest()
     assert not list(ckpts.glob("*.tmp"))
-    state = torch.load(ckpts / "step_00000008.pt", weights_only=False)
+    state = torch.load(ckpts / "step_00000008.pt", weights_only=True)  # plain data: nothing in it can run code
     assert {"model", "optimizer", "scheduler", "rng", "data", "step", "config_hash"} <= set(state)
     assert set(state["rng"][0]) >= {"python", "numpy", "torch"}
     assert state["data"][0]["primary"]["counter"] == 8
@@ -105,7 +108,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
 
 def test_refuses_to_overwrite_or_resume_nothing(tmp_path):
     _train(_cfg(tmp_path / "a"))
-    with pytest.raises(TrainerError, match="already holds checkpoints"):
+    with pytest.raises(TrainerError, match="holds checkpoints of an earlier run.*--resume.*--fresh"):
         Trainer(_cfg(tmp_path / "a"), console=False)
     with pytest.raises(TrainerError, match="no checkpoint"):
         Trainer(_cfg(tmp_path / "empty"), resume=True, console=False)
@@ -125,16 +128,20 @@ def test_halt_file_stops_after_a_checkpoint(tmp_path):
     assert resumed.status == "completed" and resumed.steps_done == 8 and not (tmp_path / ".HALT").exists()
 
 
-def test_sigterm_stops_after_a_checkpoint(tmp_path):
-    def send_sigterm(trainer, step):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_stop_after_a_checkpoint(tmp_path, name):
+    sig = getattr(signal, name)
 
-    previous = signal.getsignal(signal.SIGTERM)
-    _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=send_sigterm)
-    assert result.status == "halted" and result.steps_done == 2 and "SIGTERM" in result.halt_reason
+    def send(trainer, step):
+        if step == 1:
+            os.kill(os.getpid(), sig)
+
+    previous = signal.getsignal(sig)
+    _, result = _train(_cfg(tmp_path, "train.save_every=100"), step_hook=send)
+    assert result.status == "halted" and result.steps_done == 2 and name in result.halt_reason
     assert (tmp_path / "checkpoints" / "step_00000002.pt").exists()
-    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is restored
+    assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 2
+    assert signal.getsignal(sig) is previous  # the handler is restored
 
 
 def test_telemetry_and_metadata(tmp_path, corpus):
@@ -242,3 +249,237 @@ def test_ddp_two_ranks_on_cpu_shard_the_data(tmp_path, corpus):
     assert meta["world_size"] == 2 and meta["data"]["shard"] == [0, 2]
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["tokens"]) for r in rows] == [2 * 2 * 32] * 3  # tokens of both ranks
+
+
+# -- checkpoints that fail to load, fsync, weights_only ---------------------------------------------------------
+def _two_checkpoints(tmp_path):
+    """A run stopped after 6 steps with checkpoints at 4 and 6 (keep_checkpoints 2), and the uninterrupted run."""
+    _, full = _train(_cfg(tmp_path / "full", "train.save_every=2"))
+    _, first = _train(_cfg(tmp_path / "run", "train.save_every=2"), step_hook=_stop_after(5))
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert first.steps_done == 6 and sorted(p.name for p in ckpts.glob("step_*.pt")) == \
+        ["step_00000004.pt", "step_00000006.pt"]
+    return full, ckpts
+
+
+def _resume_records(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="sentinels.train"):
+        _, resumed = _train(_cfg(tmp_path / "run", "train.save_every=2"), resume=True)
+    return resumed, " ".join(r.getMessage() for r in caplog.records)
+
+
+def test_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, caplog):
+    full, ckpts = _two_checkpoints(tmp_path)
+    newest = ckpts / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    resumed, log = _resume_records(tmp_path, caplog)
+    assert "step_00000006.pt" in log and "step_00000004.pt" in log and "sha256" in log
+    assert [r["step"] for r in resumed.records] == [4, 5, 6, 7]
+    assert [r["loss"] for r in resumed.records] == [r["loss"] for r in full.records[4:]]  # still bit-exact
+    events = [json.loads(l) for l in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "checkpoint_fallback" and "step_00000006.pt" in e["message"] for e in events)
+
+
+def test_a_checkpoint_failing_its_checksum_is_not_used(tmp_path, caplog):
+    full, ckpts = _two_checkpoints(tmp_path)
+    newest = ckpts / "step_00000006.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped bit inside the tensors: still loads, but is not what was written
+    newest.write_bytes(bytes(data))
+    resumed, log = _resume_records(tmp_path, caplog)
+    assert "step_00000006.pt" in log and "sha256" in log
+    assert [r["loss"] for r in resumed.records] == [r["loss"] for r in full.records[4:]]
+
+
+@pytest.mark.parametrize("latest", ["{not json", "[]", '{"file": "../../elsewhere.pt", "step": 6}',
+                                    '{"file": "step_00000006.pt"}'])
+def test_a_bad_latest_json_is_reported_and_the_checkpoints_on_disk_are_used(tmp_path, caplog, latest):
+    full, ckpts = _two_checkpoints(tmp_path)
+    (ckpts / "latest.json").write_text(latest)
+    resumed, log = _resume_records(tmp_path, caplog)
+    assert "latest.json" in log
+    assert [r["loss"] for r in resumed.records] == [r["loss"] for r in full.records[6:]]
+
+
+def test_no_usable_checkpoint_names_each_problem(tmp_path):
+    _, ckpts = _two_checkpoints(tmp_path)
+    for path in ckpts.glob("step_*.pt"):
+        path.write_bytes(b"garbage")
+    with pytest.raises(TrainerError) as err:
+        Trainer(_cfg(tmp_path / "run", "train.save_every=2"), resume=True, console=False)
+    message = str(err.value)
+    assert "no usable checkpoint" in message and "step_00000006.pt" in message and "step_00000004.pt" in message
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):
+    """weights_only loading: a checkpoint from elsewhere cannot execute code, even with a matching checksum."""
+    import hashlib
+
+    _, ckpts = _two_checkpoints(tmp_path)
+    marker = tmp_path / "code-ran"
+    evil = ckpts / "step_00000006.pt"
+    torch.save({"step": 6, "model": _RunsCode(marker)}, evil)
+    latest = json.loads((ckpts / "latest.json").read_text())
+    for entry in latest["kept"]:
+        if entry["file"] == evil.name:
+            entry["sha256"] = hashlib.sha256(evil.read_bytes()).hexdigest()
+    (ckpts / "latest.json").write_text(json.dumps(latest))
+    _, resumed = _train(_cfg(tmp_path / "run", "train.save_every=2"), resume=True)
+    assert not marker.exists() and resumed.records[0]["step"] == 4
+
+
+def test_checkpoint_directory_is_fsynced_after_each_rename(tmp_path, monkeypatch):
+    import stat
+
+    events = []
+    real_replace, real_fsync = os.replace, os.fsync
+
+    def replace(src, dst, *a, **k):
+        real_replace(src, dst, *a, **k)
+        events.append(("replace", Path(dst).parent.stat().st_ino, Path(dst).name))
+
+    def fsync(fd):
+        info = os.fstat(fd)
+        events.append(("fsync-dir" if stat.S_ISDIR(info.st_mode) else "fsync-file", info.st_ino, None))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    _train(_cfg(tmp_path, "train.steps=2", "train.save_every=2"))
+    for i, (kind, inode, name) in enumerate(events):
+        if kind == "replace" and name in ("step_00000002.pt", "latest.json"):
+            assert ("fsync-dir", inode, None) in events[i + 1:], f"{name}: directory not fsynced after the rename"
+
+
+# -- a second Ctrl-C, out_dir ---------------------------------------------------------------------------------
+def test_a_second_sigint_aborts_at_once(tmp_path):
+    def send_two(trainer, step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.getsignal(signal.SIGINT)
+    trainer = Trainer(_cfg(tmp_path, "train.save_every=100"), console=False, step_hook=send_two)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert not (tmp_path / "checkpoints").exists()  # aborted: no checkpoint was written for the stop
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_halt_message_counts_the_steps_done(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="sentinels.train"):
+        _, result = _train(_cfg(tmp_path), step_hook=_stop_after(2))
+    assert result.steps_done == 3
+    assert "run halted after 3 of 8 steps (checkpoint step_00000003.pt written)" in caplog.text
+
+
+def test_a_new_run_into_a_non_empty_out_dir_is_refused_naming_resume_and_fresh(tmp_path):
+    (tmp_path / "metrics.csv").write_text("step,loss\n0,5.0\n")  # a run that stopped before its first checkpoint
+    with pytest.raises(TrainerError, match=r"train\.out_dir .* is not empty: .*--resume.*--fresh"):
+        Trainer(_cfg(tmp_path), console=False)
+    assert (tmp_path / "metrics.csv").read_text() == "step,loss\n0,5.0\n"
+
+
+def test_fresh_moves_the_old_run_aside_and_starts_over(tmp_path):
+    out = tmp_path / "run"
+    _train(_cfg(out, "train.steps=2"))
+    old_metrics = (out / "metrics.csv").read_text()
+    _, result = _train(_cfg(out, "train.steps=2"), fresh=True)
+    assert result.status == "completed" and (out / "checkpoints" / "latest.json").exists()
+    assert (tmp_path / "run.old-1" / "metrics.csv").read_text() == old_metrics  # nothing was deleted
+    _train(_cfg(out, "train.steps=2"), fresh=True)
+    assert (tmp_path / "run.old-2" / "checkpoints" / "latest.json").exists()
+    with pytest.raises(TrainerError, match="--resume and --fresh"):
+        Trainer(_cfg(out), console=False, resume=True, fresh=True)
+
+
+def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TrainerError, match=r"train\.out_dir .*file exists and is not a directory"):
+        Trainer(_cfg(tmp_path / "file"), console=False)
+
+
+def test_data_is_checked_before_the_model_is_built(tmp_path, monkeypatch):
+    from sentinels import trainer as trainer_module
+    from sentinels.data.sources import DataError
+
+    monkeypatch.setattr(trainer_module, "build_model", lambda cfg: pytest.fail("the model was built first"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=r"data\.paths\[0\] .*empty\.jsonl: is empty"):
+        Trainer(_text_cfg(tmp_path / "run", empty), console=False)
+    assert not (tmp_path / "run").exists()
+
+
+# -- the train command: Ctrl-C, one-line errors, --debug, --fresh ---------------------------------------------
+def _cli_args(out, *extra):
+    return ["train", "--config", str(TINY), "-o", f"train.out_dir={out}", "-o", "train.steps=6",
+            "-o", "train.warmup_steps=1", "-o", "train.save_every=100", *extra]
+
+
+def _sigint_at_step_1(monkeypatch, times):
+    real = Trainer._train_step
+
+    def step(self, step):
+        if step == 1:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(self, step)
+
+    monkeypatch.setattr(Trainer, "_train_step", step)
+
+
+def test_cli_ctrl_c_checkpoints_and_exits_3_without_a_traceback(tmp_path, monkeypatch, capsys, caplog):
+    from sentinels.cli import main
+
+    _sigint_at_step_1(monkeypatch, times=1)
+    assert main(_cli_args(tmp_path / "run")) == 3
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "SIGINT received" in caplog.text
+    assert json.loads(captured.out.strip().splitlines()[-1])["steps_done"] == 2
+    assert json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["step"] == 2
+
+
+def test_cli_second_ctrl_c_aborts_with_one_line(tmp_path, monkeypatch, capsys):
+    from sentinels.cli import main
+
+    _sigint_at_step_1(monkeypatch, times=2)
+    assert main(_cli_args(tmp_path / "run")) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "a second Ctrl-C: aborted at once, without a checkpoint" in err
+
+
+def test_cli_refuses_a_non_empty_out_dir_in_one_line_and_fresh_starts_over(tmp_path, capsys):
+    from sentinels.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(_cli_args(out)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "--resume" in lines[0] and "--fresh" in lines[0] and "Traceback" not in err
+    assert main(_cli_args(out, "--fresh")) == 0
+    assert (tmp_path / "run.old-1" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_debug_shows_the_traceback(tmp_path, capsys):
+    from sentinels.cli import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(_cli_args(tmp_path / "file")) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert main(_cli_args(tmp_path / "file", "--debug")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "TrainerError" in err

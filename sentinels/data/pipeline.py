@@ -1,14 +1,18 @@
-"""build_batch_source: the configured data source for one shard, with the explicit synthetic fallback."""
+"""BatchSource: the configured data source for one shard, with the explicit synthetic fallback.
+
+Building it checks the source before anything else is built (the trainer builds it before the model): each local
+file opens, decodes and holds a document among its first lines; fineweb needs `datasets`; the tokenizer loads."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Callable
 
 from ..config import RunConfig
 from .batch import Batch
 from .sources import (DataError, LocalCorpus, LocalDocuments, ShardSpec, StreamingDocuments, TokenWindowSource,
-                      fineweb_opener)
+                      check_local_sources, fineweb_opener)
 from .packing import PackedDocumentSource
 from .synthetic import SyntheticBatchSource
 from .tokenizers import get_tokenizer
@@ -34,6 +38,11 @@ def _primary_source(cfg: RunConfig, shard: ShardSpec, opener=None):
             batch_size=train.micro_batch_size, seed=data.shuffle_seed, shard=shard.index,
             n_values=data.synthetic.n_values, reach=locals_only_reach(cfg), packing=data.packing,
             doc_lengths=_doc_lengths(cfg))
+    if data.source in ("jsonl", "text"):
+        check_local_sources(data.paths, data.source)
+    elif opener is None and importlib.util.find_spec("datasets") is None:
+        raise DataError("data.source 'fineweb' needs the `datasets` package (pip install datasets); streaming also "
+                        "needs network access")
     tokenizer = get_tokenizer(data.tokenizer)
     if data.source in ("jsonl", "text"):
         documents = LocalDocuments(LocalCorpus(data.paths, data.source), data.shuffle_seed, shard)

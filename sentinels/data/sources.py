@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..errors import InputError
 from .batch import Batch
 
 log = logging.getLogger("sentinels.data")
@@ -31,7 +32,7 @@ log = logging.getLogger("sentinels.data")
 BAD_KINDS = ("malformed_json", "missing_text", "empty_doc", "non_utf8")
 
 
-class DataError(RuntimeError):
+class DataError(InputError, RuntimeError):
     """The data source cannot deliver documents (everything dropped, files missing, stream dead)."""
 
 
@@ -74,33 +75,73 @@ class DataQuality:
         return {k: int(self.counts[k]) for k in ("ok", *BAD_KINDS)}
 
 
-def parse_record(raw: bytes, fmt: str, quality: DataQuality, where: str) -> str | None:
-    """The text of one raw line, or None (counted in quality) when it is bad."""
+def record_text(raw: bytes, fmt: str) -> tuple[str | None, str | None, str]:
+    """(text, None, "") for a good raw line, else (None, kind, why) with kind one of BAD_KINDS."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        quality.bad("non_utf8", f"{where}: {exc}")
-        return None
+        return None, "non_utf8", f"not UTF-8 text ({exc.reason} at byte {exc.start})"
     if fmt == "jsonl":
         if not line.strip():
-            quality.bad("empty_doc", f"{where}: blank line")
-            return None
+            return None, "empty_doc", "blank line"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            quality.bad("malformed_json", f"{where}: {exc}")
-            return None
+            return None, "malformed_json", f"not JSON ({exc.msg} at column {exc.colno})"
         text = obj.get("text") if isinstance(obj, dict) else None
         if not isinstance(text, str):
-            quality.bad("missing_text", f"{where}: no string field 'text'")
-            return None
+            return None, "missing_text", "no string field 'text'"
     else:
         text = line.rstrip("\r\n")
     if not text.strip():
-        quality.bad("empty_doc", f"{where}: empty text")
+        return None, "empty_doc", "empty text"
+    return text, None, ""
+
+
+def parse_record(raw: bytes, fmt: str, quality: DataQuality, where: str) -> str | None:
+    """The text of one raw line, or None (counted in quality) when it is bad."""
+    text, kind, why = record_text(raw, fmt)
+    if text is None:
+        quality.bad(kind, f"{where}: {why}")
         return None
     quality.good()
     return text
+
+
+CHECK_LINES = 1000  # check_local_sources reads at most this many lines of a file looking for one document
+
+
+def check_local_sources(paths: list[str], fmt: str) -> None:
+    """Before anything is built: every data.paths entry is a readable file holding at least one document among
+    its first CHECK_LINES lines (UTF-8; JSONL: an object with a string "text"). DataError names the entry and
+    the rule; a file whose first lines are all bad reports the first line's problem."""
+    for i, name in enumerate(paths):
+        where = f"data.paths[{i}] {name}"
+        path = Path(name)
+        if path.is_dir():
+            raise DataError(f"{where}: is a directory, not a file ({fmt} source: one file per entry)")
+        if not path.is_file():
+            raise DataError(f"{where}: file not found")
+        try:
+            with path.open("rb") as fh:
+                lines = [raw.rstrip(b"\n") for _, raw in zip(range(CHECK_LINES), fh)]
+        except OSError as exc:
+            raise DataError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+        if not lines:
+            raise DataError(f"{where}: is empty")
+        binary = next((number for number, raw in enumerate(lines, 1) if b"\0" in raw), None)
+        if binary is not None:
+            raise DataError(f"{where}: line {binary} holds NUL bytes: a binary file, not {fmt} text")
+        first_problem = None
+        for number, raw in enumerate(lines, 1):
+            text, kind, why = record_text(raw, fmt)
+            if text is not None:
+                break
+            first_problem = first_problem or f"line {number}: {why}"
+        else:
+            shown = f"its first {len(lines)} lines" if len(lines) == CHECK_LINES else f"its {len(lines)} line(s)"
+            expected = 'a JSON object with a string field "text"' if fmt == "jsonl" else "a non-empty line"
+            raise DataError(f"{where}: holds no document in {shown} (each must be {expected}; {first_problem})")
 
 
 class LocalCorpus:

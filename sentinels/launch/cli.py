@@ -2,7 +2,7 @@
 same environment guard.
 
 Exit codes: 0 supported / PASS / GO / the trainer's own code after a launch; 1 unsupported environment, refused
-config, NO-GO, or refused launch; 2 bad arguments or an unreadable config.
+config, NO-GO, or refused launch; 2 bad arguments or an unreadable config (one line; `--debug` adds the traceback).
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-from ..config import ConfigError, load_config
+from ..config import load_config
+from ..errors import add_debug_flag, run_reporting_errors
 from .code import code_identity
-from .env import check_env, collect_env_facts, format_verdict
+from .env import check_env, collect_env_facts, format_facts, format_verdict
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -48,20 +50,21 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_preflight(args: argparse.Namespace) -> int:
     from .gates import default_gate_commands, format_record, run_preflight
     from .gonogo import GO, RECORDS_DIR, record_path
-    from .preflight import check_config, format_resolved
+    from .preflight import format_config
 
     cfg = load_config(args.config, args.override)
     code = code_identity(given_commit=args.commit)
     facts = collect_env_facts()
-    print(format_verdict(check_env(facts)), flush=True)
-    print(format_resolved(cfg, check_config(cfg, gpu_visible=bool(facts.gpus), resume=args.resume)), flush=True)
+    print(format_facts(facts), flush=True)
+    print(format_config(cfg), flush=True)  # the gates below judge the environment and the config, in order
     previous = None
     if args.reuse_passed and record_path(cfg.config_hash(), RECORDS_DIR).is_file():
         previous = json.loads(record_path(cfg.config_hash(), RECORDS_DIR).read_text())
+    gate_commands = default_gate_commands(args.config, args.override, cfg.config_hash(), RECORDS_DIR)
     record, path = run_preflight(cfg=cfg, config_path=args.config, overrides=args.override, resume=args.resume,
                                  code=code, facts=facts, records_dir=RECORDS_DIR, reuse_from=previous,
-                                 gate_commands=default_gate_commands(args.config, args.override, cfg.config_hash()),
-                                 parallel=args.parallel_gates)
+                                 gate_commands=gate_commands, parallel=args.parallel_gates,
+                                 keep_going=args.keep_going, copy_to=Path(args.out) if args.out else None)
     print(format_record(record, path))
     return 0 if record["decision"] == GO else 1
 
@@ -106,25 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the GPU gates (conformance-gpu, sentinels-gpu) at the same time instead of one after "
                           "the other: about half the wall time, for hosts leased by the minute; the sentinels' "
                           "throughput figures then include the shared GPU, their verdicts do not depend on it")
+    pre.add_argument("--keep-going", action="store_true",
+                     help="judge every in-process gate (code, env, config) even after one failed, to see every "
+                          "refusal at once; the GPU gates still never start after a failure")
+    pre.add_argument("--out", metavar="DIR",
+                     help="also copy the record, the gate logs and the gates' reports to DIR after every gate "
+                          "(default: none; the record itself is always reports/preflight/<config-hash>.json)")
     pre.set_defaults(func=cmd_preflight)
     launch = sub.add_parser("launch", help="start the trainer with torchrun if a fresh GO record allows it")
     _config_args(launch)
     _commit_arg(launch)
     launch.add_argument("--nproc", type=int, default=1, help="processes (GPUs) on this host (default 1)")
     launch.set_defaults(func=cmd_launch)
+    for command in sub.choices.values():
+        add_debug_flag(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # --commit disagreeing with git
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(args.func, args)
 
 
 def env_main(argv: list[str] | None = None) -> int:

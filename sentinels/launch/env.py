@@ -101,14 +101,18 @@ def collect_env_facts() -> EnvFacts:
                     triton=triton_version, gpus=gpus)
 
 
-def format_verdict(verdict: EnvVerdict) -> str:
-    f = verdict.facts
+def format_facts(f: EnvFacts) -> str:
     lines = [f"python  {f.python}", f"torch   {f.torch}", f"cuda    {f.cuda or 'none (CPU build of torch)'}",
              f"triton  {f.triton or 'not importable'}"]
     if not f.gpus:
         lines.append("gpu     none visible")
     for gpu in f.gpus:
         lines.append(f"gpu {gpu.index}   {gpu.name}, capability {_dotted(gpu.capability)}")
+    return "\n".join(lines)
+
+
+def format_verdict(verdict: EnvVerdict) -> str:
+    lines = [format_facts(verdict.facts)]
     if verdict.ok:
         lines.append("env: SUPPORTED")
     else:

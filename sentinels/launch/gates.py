@@ -1,9 +1,11 @@
 """The preflight pipeline (`nox -s preflight -- --config X`): gates in order, fail fast, then a GO/NO-GO record.
 
 Gates: code (the commit is known), env (env.py policy), config (preflight.py rules), then the GPU suites as
-subprocesses: `nox -s conformance-gpu` and `nox -s sentinels-gpu -- --config X`. A subprocess gate passes when
-it exits 0 AND the report it wrote says so (evidence): the conformance report ran on CUDA and has no failing
-property, and the sentinels report is PASS for this very config hash. Gates after a failed one are SKIPped.
+subprocesses: `nox -s conformance-gpu` and `nox -s sentinels-gpu -- --config X`, each writing its reports into a
+directory of its own next to the record (<records>/<config-hash>.<gate>.reports/). A subprocess gate passes when
+it exits 0 AND the report it wrote there says so (evidence): the conformance report ran on CUDA and has no failing
+property, and the sentinels report is PASS for this very config hash. Gates after a failed one are SKIPped
+(keep_going, `--keep-going`: the in-process gates are all judged, the GPU gates still never start after a failure).
 """
 
 from __future__ import annotations
@@ -38,14 +40,6 @@ class GateCommand:
     argv: list[str]
     report_dirs: tuple[Path, ...]
     evidence: Callable[[list[Path]], str | None]  # the reports it wrote -> None if they show a pass, else why not
-
-
-def _out_reports(sub: str) -> tuple[Path, ...]:
-    """reports/<sub> in the checkout, and $OUT/reports/<sub> where the GPU scripts write when $OUT is set."""
-    dirs = [REPO_ROOT / "reports" / sub]
-    if os.environ.get("OUT"):
-        dirs.append(Path(os.environ["OUT"]) / "reports" / sub)
-    return tuple(dirs)
 
 
 def _load(path: Path) -> dict | None:
@@ -89,13 +83,23 @@ def sentinels_evidence(config_hash: str) -> Callable[[list[Path]], str | None]:
     return check
 
 
-def default_gate_commands(config_path: str, overrides: list[str], config_hash: str) -> list[GateCommand]:
+def gate_report_dir(records_dir: Path, config_hash: str, gate: str) -> Path:
+    """Where a subprocess gate of this config writes its reports: beside the record, one directory per gate."""
+    return records_dir / f"{config_hash}.{gate}.reports"
+
+
+def default_gate_commands(config_path: str, overrides: list[str], config_hash: str,
+                          records_dir: Path) -> list[GateCommand]:
     nox = [sys.executable, "-m", "nox", "-s"]
     forwarded = [arg for o in overrides for arg in ("-o", o)]
+    conformance_dir = gate_report_dir(records_dir, config_hash, "conformance-gpu")
+    sentinels_dir = gate_report_dir(records_dir, config_hash, "sentinels-gpu")
     return [
-        GateCommand("conformance-gpu", nox + ["conformance-gpu"], _out_reports("conformance"), conformance_evidence),
-        GateCommand("sentinels-gpu", nox + ["sentinels-gpu", "--", "--config", config_path, *forwarded],
-                    _out_reports("sentinels"), sentinels_evidence(config_hash)),
+        GateCommand("conformance-gpu", nox + ["conformance-gpu", "--", "--report-dir", str(conformance_dir)],
+                    (conformance_dir,), conformance_evidence),
+        GateCommand("sentinels-gpu", nox + ["sentinels-gpu", "--", "--config", config_path, *forwarded,
+                                            "--out", str(sentinels_dir)],
+                    (sentinels_dir,), sentinels_evidence(config_hash)),
     ]
 
 
@@ -172,9 +176,7 @@ def _run_concurrently(gate_commands: list[GateCommand], done: list[GateResult], 
     """--parallel-gates: the subprocess gates all at once (results in gate order). If an in-process gate failed
     they are all SKIPped, as in the sequential order; reusable PASS gates are not run again."""
     if any(g.verdict != PASS for g in done):
-        now = time.time()
-        return [GateResult(g.name, SKIP, "not run: an earlier gate failed", now, now, command=g.argv)
-                for g in gate_commands]
+        return [_skipped(g.name, g.argv) for g in gate_commands]
     to_run = [g for g in gate_commands if g.name not in reusable]
     with ThreadPoolExecutor(max_workers=max(1, len(to_run))) as pool:
         futures = {g.name: pool.submit(run, g, log_path(g.name)) for g in to_run}
@@ -186,16 +188,37 @@ def _in_process(name: str, ok: bool, detail: str, started: float) -> GateResult:
     return GateResult(name, PASS if ok else FAIL, detail, started, time.time())
 
 
+def _skipped(name: str, command: list[str] | None = None, *, in_process: bool = False) -> GateResult:
+    now = time.time()
+    hint = " (--keep-going judges the in-process gates anyway)" if in_process else ""
+    return GateResult(name, SKIP, f"not run: an earlier gate failed{hint}", now, now, command=command)
+
+
+def copy_outputs(record_path: Path, gates: list[GateResult], target: Path) -> None:
+    """--out: the record, every gate's log, and each subprocess gate's reports (under <target>/<gate>/)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for item in [record_path] + [Path(g.log) for g in gates if g.log and Path(g.log).is_file()]:
+        shutil.copy2(item, target / item.name)
+    for gate in gates:
+        for report in map(Path, gate.reports):
+            if report.is_file():
+                (target / gate.name).mkdir(exist_ok=True)
+                shutil.copy2(report, target / gate.name / report.name)
+
+
 def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], resume: bool, code: CodeIdentity,
                   facts: EnvFacts, gate_commands: list[GateCommand], records_dir: Path,
                   cwd: Path | None = None, check_config_kwargs: dict | None = None, reuse_from: dict | None = None,
                   runner: Callable[[GateCommand, Path], GateResult] | None = None,
-                  parallel: bool = False) -> tuple[dict, Path]:
+                  parallel: bool = False, keep_going: bool = False, copy_to: Path | None = None) -> tuple[dict, Path]:
     """Run the gates in order (SKIP after the first failure) and return (record, path). The record is rewritten
     after every gate, so a preflight killed mid-way leaves a NO-GO record of the gates it finished; with
     `reuse_from` (the previous record, --reuse-passed) its still-valid PASS subprocess gates are not run again.
     parallel (--parallel-gates): the subprocess gates (conformance-gpu, sentinels-gpu) run at the same time
-    after the in-process ones; the decision rule is unchanged (GO only if every gate passed)."""
+    after the in-process ones; the decision rule is unchanged (GO only if every gate passed). keep_going
+    (--keep-going): the in-process gates (code, env, config) are all judged even after one failed, to see every
+    refusal at once; the subprocess gates still never start after a failure. copy_to (--out): after every gate,
+    the record, the gate logs and the gates' reports are also copied there."""
     started = time.time()
     config_hash = cfg.config_hash()
     gates: list[GateResult] = []
@@ -206,12 +229,12 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
                               env=facts.as_dict(), gates=gates, started_unix=started, finished_unix=time.time(),
                               host=platform.node())
         path = write_record(record, records_dir)
-        if os.environ.get("OUT"):  # GPU hosts hand results back through $OUT: the record and the gate logs
-            copy_dir = Path(os.environ["OUT"]) / "reports" / "preflight"
-            copy_dir.mkdir(parents=True, exist_ok=True)
-            for item in [path] + [Path(g.log) for g in gates if g.log and Path(g.log).is_file()]:
-                shutil.copy2(item, copy_dir / item.name)
+        if copy_to is not None:
+            copy_outputs(path, gates, copy_to)
         return path
+
+    def blocked() -> bool:
+        return not keep_going and any(g.verdict != PASS for g in gates)
 
     t0 = time.time()
     if code.commit is None:
@@ -222,15 +245,21 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
         gates.append(_in_process("code", True, f"commit {code.commit} ({code.commit_source}), source digest "
                                                f"{code.source_digest[:16]}{note}", t0))
 
-    t0 = time.time()
-    env = check_env(facts)
-    gates.append(_in_process("env", env.ok, "; ".join(env.reasons) or "supported", t0))
+    if blocked():
+        gates.append(_skipped("env", in_process=True))
+    else:
+        t0 = time.time()
+        env = check_env(facts)
+        gates.append(_in_process("env", env.ok, "; ".join(env.reasons) or "supported", t0))
 
-    t0 = time.time()
-    verdict = check_config(cfg, gpu_visible=bool(facts.gpus), resume=resume, cwd=cwd,
-                           **(check_config_kwargs or {}))
-    gates.append(_in_process("config", verdict.ok, "; ".join(f"[{f.rule}] {f.message}" for f in verdict.findings)
-                             or f"all rules pass ({verdict.parameters:,} parameters)", t0))
+    if blocked():
+        gates.append(_skipped("config", in_process=True))
+    else:
+        t0 = time.time()
+        verdict = check_config(cfg, gpu_visible=bool(facts.gpus), resume=resume, cwd=cwd,
+                               **(check_config_kwargs or {}))
+        gates.append(_in_process("config", verdict.ok, "; ".join(f"[{f.rule}] {f.message}" for f in verdict.findings)
+                                 or f"all rules pass ({verdict.parameters:,} parameters)", t0))
 
     def run_subprocess(gate: GateCommand, log_path: Path) -> GateResult:
         echo = {"echo": _echo_prefixed(gate.name)} if parallel else {}
@@ -239,13 +268,12 @@ def run_preflight(*, cfg: RunConfig, config_path: str, overrides: list[str], res
     run = runner or run_subprocess
     if parallel:
         save()
-        gates += _run_concurrently(gate_commands, gates, reusable, run, lambda g: records_dir / f"{config_hash}.{g}.log")
+        gates += _run_concurrently(gate_commands, gates, reusable, run,
+                                   lambda g: records_dir / f"{config_hash}.{g}.log")
     for gate in [] if parallel else gate_commands:
         save()
         if any(g.verdict != PASS for g in gates):
-            now = time.time()
-            gates.append(GateResult(gate.name, SKIP, "not run: an earlier gate failed", now, now,
-                                    command=gate.argv))
+            gates.append(_skipped(gate.name, gate.argv))
         elif gate.name in reusable:
             gates.append(_reused(reusable[gate.name]))
         else:

@@ -44,7 +44,7 @@ def decide_launch(*, cfg: RunConfig, config_path: str, overrides: list[str], npr
     if nproc < 1:
         reasons.append(f"--nproc must be >= 1, got {nproc}")
     go = check_go_record(record_path(cfg.config_hash(), records_dir), config_hash=cfg.config_hash(), code=code,
-                         now_unix=now_unix)
+                         gpus=facts.gpus, now_unix=now_unix)
     if not go.ok:
         reasons.append(go.reason)
     env = check_env(facts)

@@ -137,13 +137,18 @@ def check_config(cfg: RunConfig, *, gpu_visible: bool, resume: bool, cwd: Path |
     return ConfigVerdict(config_hash=cfg.config_hash(), findings=tuple(out), parameters=parameters)
 
 
+def format_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML and its hash (no rule applied)."""
+    return "\n".join(["# resolved config", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
+                      f"config hash: {cfg.config_hash()}",
+                      f"long run:    {is_long_run(cfg)} ({cfg.train.steps} steps; long from {policy.LONG_RUN_STEPS})"])
+
+
 def format_resolved(cfg: RunConfig, verdict: ConfigVerdict) -> str:
     """The resolved config as YAML, its hash, and the verdict with each refusal."""
     if verdict.config_hash != cfg.config_hash():
         raise ValueError("format_resolved: the verdict is for another config (its config_hash differs)")
-    lines = ["# resolved config", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
-             f"config hash: {verdict.config_hash}", f"parameters:  {verdict.parameters:,}",
-             f"long run:    {is_long_run(cfg)} ({cfg.train.steps} steps; long from {policy.LONG_RUN_STEPS})"]
+    lines = [format_config(cfg), f"parameters:  {verdict.parameters:,}"]
     if verdict.ok:
         lines.append("config: PASS")
     else:
