@@ -61,24 +61,17 @@ def xdist_workers(posargs: list[str]) -> list[str]:
 def conformance_gpu(session: nox.Session) -> None:
     """The conformance properties on CUDA tensors in the current interpreter (nothing installed; fails fast
     without a GPU), in float32 and in bfloat16 (the precision of the error-ratio checks; float64 checks run in
-    both). Default `--impl optimized`; reports go to reports/conformance/ (or $OUT/reports/conformance when OUT
-    is set): <impl>-cuda.json/.md (float32) and <impl>-cuda-bfloat16.json/.md. Posargs go to both pytest runs;
-    with `-- --update-baseline` the baseline file is also copied to $OUT/reports/baselines/ when OUT is set."""
-    import os
-    import shutil
+    both). Default `--impl optimized`; reports <impl>-cuda.json/.md (float32) and <impl>-cuda-bfloat16.json/.md go
+    to reports/conformance/ (`-- --report-dir DIR` elsewhere). Posargs go to both pytest runs, e.g.
+    `-- --update-baseline` or `-- --baseline PATH`. Our own kernel and parity GPU tests are `pytest tests/gpu`
+    (tests/gpu/conftest.py)."""
     import sys
 
     require_gpu(session)
-    out = os.environ.get("OUT")
-    report_dir = os.path.join(out, "reports", "conformance") if out else os.path.join("reports", "conformance")
     for dtype in ("float32", "bfloat16"):
         session.run(sys.executable, "-m", "pytest", "-q", "conformance", "--properties-only", "--impl", "optimized",
-                    "--device", "cuda", "--dtype", dtype, "--report-dir", report_dir, *xdist_workers(session.posargs),
-                    *session.posargs, external=True)
-    if out and "--update-baseline" in session.posargs:
-        target = os.path.join(out, "reports", "baselines")
-        os.makedirs(target, exist_ok=True)
-        shutil.copy(os.path.join("reports", "baselines", "conformance.json"), target)
+                    "--device", "cuda", "--dtype", dtype, "--report-dir", "reports/conformance",
+                    *xdist_workers(session.posargs), *session.posargs, external=True)
 
 
 @nox.session(venv_backend="none")

@@ -3,7 +3,7 @@
 Options: --impl (what to check), --device (where its inputs live), --dtype (the low precision its
 error-ratio checks run in), --preset (the NSAConfig conventions checked), --report-dir (write
 <impl>-<device>.json/.md there), --baseline / --update-baseline (deterministic metrics), --properties-only
-(deselect tests that are not conformance properties).
+(leave out the self-test, which checks the suite rather than --impl).
 """
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--update-baseline", action="store_true", default=False,
                     help="write this run's metrics into --baseline")
     group.addoption("--properties-only", action="store_true", default=False,
-                    help="run only the property modules (those declaring PROPERTY), not the self-test or the "
-                         "optimized-specific parity/kernel tests that ignore --impl")
+                    help="run only the property modules (those declaring PROPERTY), not the self-test")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """--properties-only: do not even import test modules that are not properties (the self-test, the
-    optimized-specific parity and kernel tests), so their import errors cannot break a verdict run."""
+    """--properties-only: do not even import test modules that are not properties (the self-test), so their import
+    errors cannot break a verdict run."""
     if not config.getoption("--properties-only"):
         return None
     if collection_path.name == "selftest" and collection_path.is_dir():
