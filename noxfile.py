@@ -29,16 +29,30 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized", env=single_thread)
 
 
+CONFORMANCE_REPORTS = "reports/conformance"  # the committed verdicts
+LOCAL_CONFORMANCE_REPORTS = "reports/conformance/local"  # git-ignored: a run leaves the checkout as it was
+
+
+def conformance_report_dir(posargs: list[str]) -> list[str]:
+    """The `--report-dir` the main job adds to its posargs: none when they name one; the committed
+    reports/conformance with `--update-baseline` (the committed report and baseline change together); otherwise the
+    git-ignored reports/conformance/local."""
+    if any(a == "--report-dir" or a.startswith("--report-dir=") for a in posargs):
+        return []
+    return ["--report-dir", CONFORMANCE_REPORTS if "--update-baseline" in posargs else LOCAL_CONFORMANCE_REPORTS]
+
+
 @nox.session
 def conformance(session: nox.Session) -> None:
     """Main job: the conformance properties against an NSA implementation on CPU (default `--impl optimized`):
-    prints the PASS / FAIL / NOT COVERED table, writes reports/conformance/<impl>-cpu.json and .md, compares
-    metrics with reports/baselines/conformance.json; exit 1 on any FAIL. Posargs go to pytest, e.g.
-    `-- --impl reference`, `-- --impl mypkg.adapter:IMPL` (docs/adapters.md), `-- --preset equal_blocks`,
-    `-- --update-baseline`."""
+    prints the PASS / FAIL / NOT COVERED table, writes <impl>-cpu.json and .md to reports/conformance/local/
+    (git-ignored), compares metrics with reports/baselines/conformance.json; exit 1 on any FAIL. Posargs go to
+    pytest, e.g. `-- --impl reference`, `-- --impl mypkg.adapter:IMPL` (docs/adapters.md), `-- --preset
+    equal_blocks --set phi=avg`, `-- --report-dir DIR`; `-- --update-baseline` rewrites the committed baseline
+    entry and writes the committed reports/conformance/<impl>-cpu.*."""
     install_cpu(session)
     session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized",
-                "--report-dir", "reports/conformance", *session.posargs,
+                *conformance_report_dir(session.posargs), *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})  # tiny tensors: intra-op threads only add overhead
 
 
