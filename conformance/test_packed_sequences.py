@@ -28,7 +28,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance.adapters import load_impl, not_covered
-from conformance.helpers import Inputs, conform_gates, first_difference, inputs_for, make_inputs, named_tensors, select_rows
+from conformance.helpers import (Inputs, conform_gates, first_difference, inputs_for, make_inputs, named_tensors,
+                                 select_rows)
 from conformance.precision import ATOL, max_abs
 from conformance.rules import complete_cmp_blocks, current_sel_block
 from conformance.strategies import configs, document_lengths, show_reproducer
@@ -90,8 +91,8 @@ class Closeness:
             assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
             err = max_abs(got, want)
             self.worst = max(self.worst, err / self.budgets[budget])
-            assert err <= self.budgets[budget], (
-                f"{what}: max error {err:.3g} > 2 x the reference's float32 error + {ATOL:g} = {self.budgets[budget]:.3g}")
+            assert err <= self.budgets[budget], (f"{what}: max error {err:.3g} > 2 x the reference's float32 error + "
+                                                 f"{ATOL:g} = {self.budgets[budget]:.3g}")
             return
         assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
         got64, want64 = got.detach().double().cpu(), want.detach().double().cpu()
@@ -211,7 +212,8 @@ def draw_case(data, envelope, *, min_nonempty: int = 1):
 
 
 def reproducer(impl, cfg, lengths, seed, call: str) -> None:
-    show_reproducer(impl.spec, cfg, f"cu_seqlens = torch.tensor({[0] + [sum(lengths[:i + 1]) for i in range(len(lengths))]}"
+    bounds = [0] + [sum(lengths[:i + 1]) for i in range(len(lengths))]
+    show_reproducer(impl.spec, cfg, f"cu_seqlens = torch.tensor({bounds}"
                     f", dtype=torch.int32)\n{call}", T=sum(lengths), seed=seed, shared_kv=impl.shared_kv)
 
 
@@ -221,7 +223,8 @@ def test_nsa_forward_packed_equals_separate(impl, envelope, device, precision, r
     """nsa_forward(cu_seqlens) == nsa_forward on each document alone: outputs, indices, reads and gradients."""
     impl.require_argument("cu_seqlens", "nsa_forward")
     cfg, lengths, seed = draw_case(data, envelope)
-    reproducer(impl, cfg, lengths, seed, "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi, cu_seqlens=cu_seqlens)")
+    reproducer(impl, cfg, lengths, seed,
+               "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi, cu_seqlens=cu_seqlens)")
     x = inputs_for(impl, cfg, sum(lengths), seed=seed, device=device)
     close = closeness(precision, cfg, x, lengths, seed)
     check_packed_equals_separate(impl, cfg, x, lengths, seed, device, close)

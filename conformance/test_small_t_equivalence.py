@@ -7,7 +7,9 @@ gates of Eq. 5 isolate the branches (o = g_cmp o_cmp + g_slc o_slc + g_win o_win
   [p-w+1, p] ([p-w, p] with window_keys="w+1");
 - compressed branch with l = d = 1 and mean pooling (every key its own block) = dense causal attention
   (keys < p with cmp_visibility="strict");
-- one-hot gates give exactly one branch; any gates give the gated sum of the branch outputs.
+- one-hot gates give exactly one branch; any gates give the gated sum of the branch outputs;
+- selected_attention on index sets that omit block 0, hold -1 padding, repeat no block and include the partial
+  current block = dense attention over exactly those keys (a kernel that turns -1 into block 0 reads it anyway).
 Each is checked in float64 (1e-12 relative; by the error-ratio rule against dense attention in float32 for an
 implementation computing in float32) and in the low precision (--dtype) by the error-ratio rule: against float64
 dense attention on the same rounded inputs, with the loop reference in that precision as the budget.
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 from conformance.adapters import load_impl, not_covered
 from conformance.helpers import error_ratio, inputs_for, make_inputs
 from conformance.precision import close
-from conformance.rules import causal_mask, current_sel_block, dense_attention
+from conformance.rules import attend_keys, causal_mask, current_sel_block, dense_attention, selected_keys
 from conformance.strategies import configs, lengths, show_reproducer
 
 PROPERTY = "Small-T equivalence"
@@ -226,3 +228,50 @@ def test_compressed_stage_with_unit_blocks_is_dense(impl, envelope, device, low_
                         device, record_metric,
                         reference=lambda y: REFERENCE.compressed_attention(y.q, *REFERENCE.compress(*y.kv.cmp, cfg),
                                                                            cfg), precision=precision)
+
+
+def sparse_index_sets(cfg, B: int, T: int, seed: int) -> torch.Tensor:
+    """Per (b, p, group): the current (partial) block J and some random earlier blocks other than block 0, no block
+    twice, ascending, then -1 padding (at least one -1 wherever n > 1)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((B, T, cfg.n_kv_heads, cfg.n_sel), -1, dtype=torch.int64)
+    for b in range(B):
+        for p in range(T):
+            J = current_sel_block(p, cfg)
+            for h in range(cfg.n_kv_heads):
+                earlier = (torch.randperm(J - 1, generator=g) + 1).tolist() if J > 1 else []
+                room = max(0, cfg.n_sel - 2)  # leave a -1 slot
+                take = int(torch.randint(0, room + 1, (1,), generator=g)) if room else 0
+                chosen = sorted(set(earlier[:take]) | {J})
+                out[b, p, h, : len(chosen)] = torch.tensor(chosen)
+    return out
+
+
+@given(data=st.data())
+def test_selected_stage_on_sparse_index_sets(impl, envelope, device, low_dtype, precision, record_metric, data):
+    """selected_attention with index sets without block 0, with -1 padding, no repeats and the partial current
+    block == attention over exactly the keys of those blocks (clipped to p)."""
+    impl.require("selected_attention")
+    cfg, T, B, seed = draw_case(data, envelope, high=48)
+    show_reproducer(impl.spec, cfg, f"indices = sparse_index_sets(cfg, {B}, {T}, {seed})  # "
+                    "conformance/test_small_t_equivalence.py\n"
+                    "o = impl.selected_attention(x.q, x.kv.slc.k, x.kv.slc.v, indices, cfg)", T=T, B=B, seed=seed)
+    indices = sparse_index_sets(cfg, B, T, seed)
+    x = make_inputs(cfg, T, B=B, seed=seed, device=device)
+    G = cfg.group_size
+
+    def over_the_selected_keys(y):
+        q, k, v = (t.detach().cpu() for t in (y.q, *y.kv.slc))
+        o = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype)
+        for b in range(B):
+            for p in range(T):
+                for h in range(cfg.n_kv_heads):
+                    keys = selected_keys(p, indices[b, p, h].tolist(), cfg)
+                    o[b, p, h * G:(h + 1) * G] = attend_keys(q[b, p, h * G:(h + 1) * G], k[b, :, h], v[b, :, h], keys)
+        return o
+
+    check_against_dense("selected_attention on index sets without block 0, with -1 padding",
+                        lambda y: impl.selected_attention(y.q, *y.kv.slc, indices.to(y.q.device), cfg),
+                        over_the_selected_keys, x, low_dtype, device, record_metric,
+                        reference=lambda y: REFERENCE.selected_attention(y.q, *y.kv.slc, indices, cfg),
+                        precision=precision)

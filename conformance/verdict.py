@@ -189,7 +189,7 @@ class VerdictPlugin:
         if report.failed:
             res.failed += 1
             message = _failure_message(report)
-            if "ImplementationError" in message:
+            if message.startswith("conformance.adapters.ImplementationError"):
                 res.implementation_errors += 1
             res.failures.append(f"{report.nodeid} ({report.when}): {message}")
         elif report.skipped and report.when in ("setup", "call"):
