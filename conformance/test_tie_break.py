@@ -322,7 +322,9 @@ def crafted_inputs(kind: str, impl, cfg, T: int, seed: int, device):
 def test_end_to_end_selection_size_and_forced_blocks(impl, envelope, device, precision, record_metric, kind, data):
     """nsa_forward on inputs whose scores are all tied, tiny, huge or saturated: exactly min(n, J + 1) distinct
     valid blocks with the forced ones, and o_slc is attention over exactly those blocks (a library that returns n
-    blocks but reads fewer fails here)."""
+    blocks but reads fewer fails here). With logits in the hundreds or more ("huge", "saturated") float32 cannot
+    resolve o_slc to the error-ratio rule, so for an implementation computing in float32 only the indices are
+    checked there."""
     impl.require("nsa_forward")
     cfg = data.draw(configs(envelope, phi="avg"), label="cfg")
     T = data.draw(lengths(cfg, low=1, high=40), label="T")
@@ -336,6 +338,8 @@ def test_end_to_end_selection_size_and_forced_blocks(impl, envelope, device, pre
     check_selection_rows(indices, cfg, T, f"end to end, {kind} scores")
     if "slc" not in impl.caps.branches:
         not_covered(f"{impl.name} computes no selected branch (declared branches {sorted(impl.caps.branches)})")
+    if not precision.float64 and kind in ("huge", "saturated"):
+        return
     xc = x.to(device="cpu")
     G = cfg.group_size
 
