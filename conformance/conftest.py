@@ -3,6 +3,7 @@
 Options: --impl (what to check), --device (where its inputs live), --dtype (the low precision its
 error-ratio checks run in), --preset / --set key=value / --config FILE (the NSAConfig conventions checked),
 --report-dir (write <impl>-<device>.json/.md there), --baseline / --update-baseline (deterministic metrics),
+--expect-baseline-verdicts (a report card: pass when verdicts and test counts equal the baseline's),
 --require PROPERTY[,...] / --require-all (NOT COVERED fails the run), --properties-only (leave out the self-test,
 which checks the suite rather than --impl).
 """
@@ -40,10 +41,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="a YAML/JSON file of conventions: optional 'preset' and switch: value lines (--set wins)")
     group.addoption("--report-dir", action="store", default=None,
                     help="write the verdict as <impl>-<device>[-<dtype>][-<preset>].json and .md here")
+    group.addoption("--report-name", action="store", default=None, metavar="STEM",
+                    help="file name (without .json/.md) of the report in --report-dir (default from impl, device, "
+                         "dtype and conventions)")
     group.addoption("--baseline", action="store", default="reports/baselines/conformance.json",
                     help="baseline of deterministic metrics to compare with")
     group.addoption("--update-baseline", action="store_true", default=False,
                     help="write this run's metrics into --baseline")
+    group.addoption("--expect-baseline-verdicts", action="store_true", default=False,
+                    help="pass exactly when every property's verdict and test counts equal the --baseline entry's "
+                         "(a third-party report card, its known FAILs included); any difference fails")
     group.addoption("--require", action="append", default=[], metavar="PROPERTY[,...]",
                     help="fail the run (exit 1) if a listed property ends NOT COVERED (name or module, e.g. "
                          "no_peeking or 'No peeking')")

@@ -131,6 +131,7 @@ class Envelope:
         why = caps.outside(out)
         if why:
             not_covered(f"outside the declared capabilities: {why}")
+        _observe(out)
         return out
 
     def describe(self) -> dict:

@@ -11,6 +11,11 @@ EQUATION (what of the paper it checks). Its verdict:
 - NOT COVERED: no test of the property could run;
 - N/A: every test was skipped as not applicable here (e.g. GPU-only tests on CPU).
 
+The baseline entry of a run also records each property's verdict and test counts: fewer tests run than recorded
+(coverage lost) fails the run like a metric regression. With --expect-baseline-verdicts (a third-party report
+card, whose FAILs are the library's known defects) the run passes exactly when every verdict and test count
+equals the entry's, and fails on any difference.
+
 Metrics are recorded by tests through the `record_metric` fixture, in three units: kind "tolerance" (a float64
 error divided by its float64 tolerance), kind "ratio" (an error ratio: error against the float64 oracle divided
 by 2 x the reference's own error in the low precision + 1e-6) - both pass at <= 1 and the worst of each per
@@ -82,7 +87,7 @@ class PropertyResult:
 
     def envelope_checked(self) -> dict[str, list]:
         """Per NSAConfig aspect, the distinct values the property's tests ran on."""
-        return {OBSERVED[k]: sorted(v, key=str) for k, v in self.observed.items()}
+        return {OBSERVED[k]: sorted(v, key=lambda x: (str(type(x)), x)) for k, v in self.observed.items()}
 
     @property
     def verdict(self) -> str:
@@ -223,6 +228,9 @@ class VerdictPlugin:
         self._compare_with_baseline()
         if self.config.getoption("--update-baseline"):
             self._write_baseline()
+        expected = self.config.getoption("--expect-baseline-verdicts") and not self.config.getoption(
+            "--update-baseline")
+        differences = self._verdict_differences() if expected else []
         report_dir = self.config.getoption("--report-dir")
         if report_dir:
             self._write_reports(Path(report_dir))
@@ -233,11 +241,34 @@ class VerdictPlugin:
         if missing:
             self.exit_notes.append(f"required propert{'y' if len(missing) == 1 else 'ies'} NOT COVERED: "
                                    f"{', '.join(missing)} (exit 1)")
+        if expected:
+            self.exit_notes += [f"differs from the baseline card: {d}" for d in differences]
+            ok = not differences and not any(r.regressions for r in self.results.values()) and not missing
+            if ok:
+                self.exit_notes.append("every verdict and test count equals the baseline card's (exit 0)")
+            session.exitstatus = pytest.ExitCode.OK if ok else pytest.ExitCode.TESTS_FAILED
+            return
         if any(r.regressions for r in self.results.values()) or missing:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         elif properties and not any(r.ran for r in properties) and session.exitstatus == 0:
             self.exit_notes.append(f"no test of any property ran: nothing was checked (exit {NOTHING_RAN})")
             session.exitstatus = NOTHING_RAN
+
+    def _verdict_differences(self) -> list[str]:
+        """Where this run's verdicts and test counts differ from the baseline entry's (all of them if none)."""
+        entry = self._load_baseline().get(self._baseline_key())
+        if entry is None:
+            return [f"no entry {self._baseline_key()!r} in {self._baseline_path()}"]
+        out = []
+        for r in self._ordered():
+            if r.module.startswith("conformance/selftest"):
+                continue
+            old = entry.get(r.name, {})
+            now = {"verdict": r.verdict, "tests": _test_counts(r)}
+            for key in ("verdict", "tests"):
+                if old.get(key) != now[key]:
+                    out.append(f"{r.name}: {key} {now[key]} (baseline {old.get(key)})")
+        return out
 
     def _required_not_covered(self, properties: list[PropertyResult]) -> list[str]:
         wanted = [w.strip() for option in self.config.getoption("--require") for w in option.split(",") if w.strip()]
@@ -315,6 +346,10 @@ class VerdictPlugin:
         self.baseline_note = f"baseline: compared with {self._baseline_key()!r} in {self._baseline_path()}"
         for res in self.results.values():
             old = entry.get(res.name, {})
+            ran, before = res.passed + res.failed, old.get("tests", {})
+            if before and ran < before.get("passed", 0) + before.get("failed", 0):
+                res.regressions.append(f"coverage lost: {ran} tests ran, the baseline ran "
+                                       f"{before.get('passed', 0) + before.get('failed', 0)}")
             for unit, values in (("ratios", res.ratios), ("tolerances", res.tolerances)):
                 for metric, value in values.items():
                     before = old.get(unit, {}).get(metric)
@@ -332,10 +367,11 @@ class VerdictPlugin:
         path = self._baseline_path()
         data = self._load_baseline()
         data[self._baseline_key()] = {
-            r.name: {"ratios": {k: _round(v) for k, v in sorted(r.ratios.items())},
+            r.name: {"verdict": r.verdict, "tests": _test_counts(r),
+                     "ratios": {k: _round(v) for k, v in sorted(r.ratios.items())},
                      "tolerances": {k: _round(v) for k, v in sorted(r.tolerances.items())},
                      "counts": dict(sorted(r.counts.items()))}
-            for r in self._ordered() if r.ratios or r.tolerances or r.counts
+            for r in self._ordered() if not r.module.startswith("conformance/selftest")
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dict(sorted(data.items())), indent=2) + "\n")
@@ -350,6 +386,7 @@ class VerdictPlugin:
         if i["preset"] != "paper":
             stem += f"-{i['preset']}"
         stem += _changes_suffix(i["conventions"], "-")
+        stem = self.config.getoption("--report-name") or stem
         # The self-test checks the suite, not --impl: it is in the printed table but not in the impl's report.
         results = [r.to_dict() for r in self._ordered() if not r.module.startswith("conformance/selftest")]
         if not results:
@@ -445,7 +482,19 @@ def _failure_message(report: pytest.TestReport) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else report.longreprtext
     first = text.strip().splitlines()[0] if text.strip() else "failed"
+    if first.startswith("ExceptionGroup"):  # hypothesis found several distinct failures: name each
+        found = []
+        for line in report.longreprtext.splitlines():
+            line = line.strip().lstrip("|").strip()
+            if line.startswith(("AssertionError:", "conformance.adapters.ImplementationError:")) and line not in found:
+                found.append(line)
+        if found:
+            first = f"{len(found)} distinct failures: " + " / ".join(found)
     return first if len(first) <= 300 else first[:297] + "..."
+
+
+def _test_counts(r: PropertyResult) -> dict[str, int]:
+    return {"passed": r.passed, "failed": r.failed, "not_covered": r.not_covered}
 
 
 def _round(x: float) -> float:
