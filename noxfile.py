@@ -21,12 +21,15 @@ def install_cpu(session: nox.Session, extras: str = "dev,triton") -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests and the conformance suite on CPU (the CI command): everything not marked slow (the reference as
-    the suite's implementation, the kernels in Triton's interpreter, the self-test), then the conformance
-    properties against optimized with the baseline comparison."""
-    install_cpu(session, extras="dev,triton,data,plots")
+    the suite's implementation, our kernels in Triton's interpreter (tests/kernels), the self-test), then the
+    conformance properties against optimized with the baseline comparison, then the CPU report cards of the public
+    NSA libraries (the `thirdparty` extra), each compared with its committed baseline entry (a lost test fails)."""
+    install_cpu(session, extras="dev,triton,data,plots,thirdparty")
     single_thread = {"OMP_NUM_THREADS": "1"}  # tiny tensors: intra-op threads only add overhead on 2 cores
     session.run("pytest", "-q", "-m", "not slow", *session.posargs, env=single_thread)
     session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized", env=single_thread)
+    session.run("python", "-m", "conformance.cards", "--check", "--jobs", "2", "--out",
+                f"{session.create_tmp()}/cards", env=single_thread)
 
 
 CONFORMANCE_REPORTS = "reports/conformance"  # the committed verdicts

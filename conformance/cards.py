@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for the cards (<card>-<device>.md and .json)")
     parser.add_argument("--check", action="store_true",
                         help="pass iff each card's verdicts and test counts equal its committed baseline entry")
+    parser.add_argument("--jobs", type=int, default=1, help="cards run at the same time (each on one thread)")
     parser.add_argument("--update-baseline", action="store_true",
                         help="write OUT/conformance-baseline.json: the committed baseline with these cards' entries")
     args = parser.parse_args(argv)
@@ -82,18 +83,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_baseline:
         baseline = out / "conformance-baseline.json"
         shutil.copy(BASELINE, baseline)
-    failed = []
+    commands = {}
     for name in names:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CARDS[name].pytest_args(),
                "--report-dir", os.path.relpath(out, ROOT), "--report-name", f"{name}-{CARDS[name].device}",
                "--baseline", os.path.relpath(baseline, ROOT)]
         cmd += ["--update-baseline"] if args.update_baseline else []
         cmd += ["--expect-baseline-verdicts"] if args.check else []
-        print(f"== card {name}: {' '.join(cmd[1:])}", flush=True)
-        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        commands[name] = cmd
+    jobs = 1 if args.update_baseline else max(1, args.jobs)  # the baseline file is written by one card at a time
+    failed = []
+    running: dict[str, tuple[subprocess.Popen, Path]] = {}
+    pending = list(names)
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            log = out / f".{name}.log"
+            print(f"== card {name}: {' '.join(commands[name][1:])}", flush=True)
+            with log.open("w") as f:
+                running[name] = (subprocess.Popen(commands[name], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                                  env={**os.environ, "OMP_NUM_THREADS": "1"}), log)
+        name = next(iter(running))
+        proc, log = running.pop(name)
+        code = proc.wait()
+        print(f"== card {name} (exit {code}):\n{log.read_text()}", flush=True)
+        log.unlink()
         # a card's FAILs are the library's: without --check, only a run that could not finish fails here
-        if done.returncode not in ((0,) if args.check else (0, 1)):
-            failed.append(f"{name} (exit {done.returncode})")
+        if code not in ((0,) if args.check else (0, 1)):
+            failed.append(f"{name} (exit {code})")
     if failed:
         print(f"conformance.cards: {', '.join(failed)}", file=sys.stderr)
         return 1
