@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.cards", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"cards to run: {', '.join(CARDS)} (default: those whose device this machine has)")
-    parser.add_argument("--out", required=True, help="folder for the cards (<card>-<device>.md and .json)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for the cards (<card>-<device>.md, .json)")
     parser.add_argument("--check", action="store_true",
                         help="pass iff each card's verdicts and test counts equal its committed baseline entry")
     parser.add_argument("--jobs", type=int, default=1, help="cards run at the same time (each on one thread)")
     parser.add_argument("--update-baseline", action="store_true",
-                        help="write OUT/conformance-baseline.json: the committed baseline with these cards' entries")
+                        help="write DIR/conformance-baseline.json: the committed baseline with these cards' entries")
     args = parser.parse_args(argv)
     names = args.names or default_cards()
     unknown = [n for n in names if n not in CARDS]
