@@ -63,24 +63,41 @@ def install_cpu(session: nox.Session, extras: str = "dev,triton") -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests and the conformance suite on CPU (the CI command): everything not marked slow (the reference as
-    the suite's implementation, the kernels in Triton's interpreter, the self-test), then the conformance
-    properties against optimized with the baseline comparison."""
-    install_cpu(session, extras="dev,triton,data,plots")
+    the suite's implementation, our kernels in Triton's interpreter (tests/kernels), the self-test), then the
+    conformance properties against optimized with the baseline comparison, then the CPU report cards of the public
+    NSA libraries (the `thirdparty` extra), each compared with its committed baseline entry (a lost test fails)."""
+    install_cpu(session, extras="dev,triton,data,plots,thirdparty")
     single_thread = {"OMP_NUM_THREADS": "1"}  # tiny tensors: intra-op threads only add overhead on 2 cores
     session.run("pytest", "-q", "-m", "not slow", *session.posargs, env=single_thread)
     session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized", env=single_thread)
+    session.run("python", "-m", "conformance.cards", "--check", "--jobs", "2", "--out",
+                f"{session.create_tmp()}/cards", env=single_thread)
+
+
+CONFORMANCE_REPORTS = "reports/conformance"  # the committed verdicts
+LOCAL_CONFORMANCE_REPORTS = "reports/conformance/local"  # git-ignored: a run leaves the checkout as it was
+
+
+def conformance_report_dir(posargs: list[str]) -> list[str]:
+    """The `--report-dir` the main job adds to its posargs: none when they name one; the committed
+    reports/conformance with `--update-baseline` (the committed report and baseline change together); otherwise the
+    git-ignored reports/conformance/local."""
+    if any(a == "--report-dir" or a.startswith("--report-dir=") for a in posargs):
+        return []
+    return ["--report-dir", CONFORMANCE_REPORTS if "--update-baseline" in posargs else LOCAL_CONFORMANCE_REPORTS]
 
 
 @nox.session
 def conformance(session: nox.Session) -> None:
     """Main job: the conformance properties against an NSA implementation on CPU (default `--impl optimized`):
-    prints the PASS / FAIL / NOT COVERED table, writes reports/conformance/<impl>-cpu.json and .md, compares
-    metrics with reports/baselines/conformance.json; exit 1 on any FAIL. Posargs go to pytest, e.g.
-    `-- --impl reference`, `-- --impl mypkg.adapter:IMPL` (docs/adapters.md), `-- --preset equal_blocks`,
-    `-- --update-baseline`."""
+    prints the PASS / FAIL / NOT COVERED table, writes <impl>-cpu.json and .md to reports/conformance/local/
+    (git-ignored), compares metrics with reports/baselines/conformance.json; exit 1 on any FAIL. Posargs go to
+    pytest, e.g. `-- --impl reference`, `-- --impl mypkg.adapter:IMPL` (docs/adapters.md), `-- --preset
+    equal_blocks --set phi=avg`, `-- --report-dir DIR`; `-- --update-baseline` rewrites the committed baseline
+    entry and writes the committed reports/conformance/<impl>-cpu.*."""
     install_cpu(session)
     session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized",
-                "--report-dir", "reports/conformance", *session.posargs,
+                *conformance_report_dir(session.posargs), *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})  # tiny tensors: intra-op threads only add overhead
 
 
@@ -103,24 +120,17 @@ def xdist_workers(posargs: list[str]) -> list[str]:
 def conformance_gpu(session: nox.Session) -> None:
     """The conformance properties on CUDA tensors in the current interpreter (nothing installed; fails fast
     without a GPU), in float32 and in bfloat16 (the precision of the error-ratio checks; float64 checks run in
-    both). Default `--impl optimized`; reports go to reports/conformance/ (or $OUT/reports/conformance when OUT
-    is set): <impl>-cuda.json/.md (float32) and <impl>-cuda-bfloat16.json/.md. Posargs go to both pytest runs;
-    with `-- --update-baseline` the baseline file is also copied to $OUT/reports/baselines/ when OUT is set."""
-    import os
-    import shutil
+    both). Default `--impl optimized`; reports <impl>-cuda.json/.md (float32) and <impl>-cuda-bfloat16.json/.md go
+    to reports/conformance/ (`-- --report-dir DIR` elsewhere). Posargs go to both pytest runs, e.g.
+    `-- --update-baseline` or `-- --baseline PATH`. Our own kernel and parity GPU tests are `pytest tests/gpu`
+    (tests/gpu/conftest.py)."""
     import sys
 
     require_gpu(session)
-    out = os.environ.get("OUT")
-    report_dir = os.path.join(out, "reports", "conformance") if out else os.path.join("reports", "conformance")
     for dtype in ("float32", "bfloat16"):
         session.run(sys.executable, "-m", "pytest", "-q", "conformance", "--properties-only", "--impl", "optimized",
-                    "--device", "cuda", "--dtype", dtype, "--report-dir", report_dir, *xdist_workers(session.posargs),
-                    *session.posargs, external=True)
-    if out and "--update-baseline" in session.posargs:
-        target = os.path.join(out, "reports", "baselines")
-        os.makedirs(target, exist_ok=True)
-        shutil.copy(os.path.join("reports", "baselines", "conformance.json"), target)
+                    "--device", "cuda", "--dtype", dtype, "--report-dir", "reports/conformance",
+                    *xdist_workers(session.posargs), *session.posargs, external=True)
 
 
 @nox.session(venv_backend="none")

@@ -5,5 +5,5 @@
 - rules.py: the suite's own closed-form index rules; strategies.py: hypothesis configs and reproducers;
 - verdict.py: the pytest plugin that prints the table, writes reports/conformance/ and checks the baseline;
 - selftest/: known-broken variants of optimized that the suite must catch.
-The optimized-specific parity and kernel tests (test_parity_*.py, test_kernel_*.py) live here too.
+Our own kernel and parity tests of `optimized` are not properties: they live in tests/kernels and tests/gpu.
 """

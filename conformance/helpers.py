@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from reference.config import NSAConfig
-from reference.contract import KV, BranchKV, PhiWeights
+from reference.contract import BRANCHES, KV, BranchKV, PhiWeights
 
 
 @dataclass
@@ -86,6 +86,47 @@ def make_inputs(cfg: NSAConfig, T: int, *, B: int = 1, seed: int = 0, dtype: tor
     return Inputs(q, kv, gates, phi)
 
 
+def inputs_for(impl, cfg: NSAConfig, T: int, **kwargs) -> Inputs:
+    """make_inputs for the implementation under test: its shared or independent k/v, and gates it can take
+    (its fixed gates, or 0 for a branch it does not compute; conformance/adapters/capabilities.py)."""
+    x = make_inputs(cfg, T, shared_kv=impl.shared_kv, **kwargs)
+    conform_gates(x.gates, impl.caps)
+    return x
+
+
+def conform_gates(gates: Tensor, caps) -> Tensor:
+    """gates [..., 3] changed in place to what caps can take: the fixed gates, or 0 for the branches it lacks."""
+    with torch.no_grad():
+        if caps.fixed_gates is not None:
+            gates.copy_(torch.tensor(caps.fixed_gates, dtype=gates.dtype).to(gates.device).expand_as(gates))
+        for i, branch in enumerate(BRANCHES):
+            if branch not in caps.branches:
+                gates[..., i] = 0
+    return gates
+
+
+BLACK_BOX_HIDDEN = 16  # hidden size of the modules the black-box tests build
+
+
+def black_box_module(impl, cfg: NSAConfig, device, seed: int, hidden: int = BLACK_BOX_HIDDEN):
+    """impl.make_module(cfg, hidden) in float64 on device, with its own initialisation under a fixed seed."""
+    torch.manual_seed(seed)
+    module = impl.make_module(cfg, hidden)
+    return module.to(device=device, dtype=torch.float64)
+
+
+def call_module(impl, module, x: Tensor, **kwargs) -> Tensor:
+    """module(x, **kwargs)'s output tensor (the first item of a tuple); an exception it raises is reported as the
+    implementation's (conformance.adapters.ImplementationError)."""
+    from conformance.adapters import reporting
+
+    def forward() -> Tensor:
+        out = module(x, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return reporting(forward, f"{impl.name} module forward")()
+
+
 def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
     """Plain causal GQA attention with an explicit masked score matrix and softmax (no SDPA, no is_causal).
 
@@ -144,9 +185,10 @@ def named_tensors(x: Inputs) -> dict[str, Tensor]:
     return out
 
 
-def perturb_from(x: Inputs, start: int, *, seed: int, scale: float = 3.0) -> Inputs:
+def perturb_from(x: Inputs, start: int, *, seed: int, scale: float = 3.0, caps=None) -> Inputs:
     """A detached copy of x whose q, every branch's keys/values and gates at sequence positions >= start
-    hold new random values (gates stay in [0, 1]); phi weights are kept. Shared k/v stay shared."""
+    hold new random values (gates stay in [0, 1], and what `caps` can take); phi weights are kept. Shared k/v stay
+    shared."""
     y = x.to()
     g = torch.Generator().manual_seed(seed)
     for name, t in named_tensors(y).items():
@@ -158,6 +200,8 @@ def perturb_from(x: Inputs, start: int, *, seed: int, scale: float = 3.0) -> Inp
             new = new * scale
         with torch.no_grad():
             t[:, start:] = new.to(dtype=t.dtype, device=t.device)
+    if caps is not None:
+        conform_gates(y.gates, caps)
     return y
 
 

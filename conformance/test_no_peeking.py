@@ -6,7 +6,9 @@ Test: perturb q, every branch's k and v, and the gates at all positions >= s; ou
 o_win), selected indices and counted reads at positions < s, and the gradients that a loss on those
 outputs sends to positions < s (and to the phi weights), must not change at all - bitwise, in float64.
 The cut s is drawn at the convention edges (the last key of a compressed block, selection block starts,
-the window size) and at random; end to end, per branch stage, and for a chunked decode step.
+the window size) and at random; end to end (where an implementation with only `nsa_forward` shows whether its
+selection scores read compressed blocks not yet visible: through the indices it returns), per branch stage, for a
+chunked decode step, and for a black-box module (any nn.Module with its own projections: forward(x) only).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.helpers import Inputs, first_difference, make_inputs, named_tensors, perturb_from, select_rows
+from conformance.helpers import (BLACK_BOX_HIDDEN, Inputs, black_box_module, call_module, first_difference, inputs_for,
+                                 make_inputs, named_tensors, perturb_from, select_rows)
 from conformance.rules import complete_cmp_blocks, current_sel_block, visible_cmp_blocks
 from conformance.strategies import boundaries, configs, lengths, show_reproducer
 from reference.contract import BranchKV
@@ -94,8 +97,8 @@ def assert_ignores_the_future(what: str, run, x: Inputs, data, cfg, T: int, seed
         assert_grads_equal(ga, gb, s)
 
 
-def draw_case(data, preset, low: int = 2, high: int = 40):
-    cfg = data.draw(configs(preset), label="cfg")
+def draw_case(data, envelope, low: int = 2, high: int = 40):
+    cfg = data.draw(configs(envelope), label="cfg")
     T = data.draw(lengths(cfg, low=low, high=high), label="T")
     B = data.draw(st.integers(1, 2), label="B")
     seed = data.draw(st.integers(0, 2**20), label="seed")
@@ -103,10 +106,10 @@ def draw_case(data, preset, low: int = 2, high: int = 40):
 
 
 @given(data=st.data())
-def test_prefill_end_to_end(impl, preset, device, data):
+def test_prefill_end_to_end(impl, envelope, device, data):
     """nsa_forward: outputs, per-branch outputs, indices, reads and gradients before the cut are unchanged."""
     impl.require("nsa_forward")
-    cfg, T, B, seed = draw_case(data, preset)
+    cfg, T, B, seed = draw_case(data, envelope)
     show_reproducer(impl.spec, cfg, "out = impl.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)",
                     T=T, B=B, seed=seed, shared_kv=impl.shared_kv)
 
@@ -116,10 +119,10 @@ def test_prefill_end_to_end(impl, preset, device, data):
         loss = (out.o * loss_weights(out.o.shape, seed, s, device)).sum()
         return out, grads(loss, xg)
 
-    x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
+    x = inputs_for(impl, cfg, T, B=B, seed=seed, device=device)
     for s in data.draw(cuts(cfg, T), label="cuts"):
-        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s), s)
-        for field in ("o", "o_cmp", "o_slc", "o_win", "indices"):
+        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s, caps=impl.caps), s)
+        for field in ("indices", "o", "o_cmp", "o_slc", "o_win"):
             assert_prefix_equal(field, getattr(a, field), getattr(b, field), s)
         if a.reads is not None:
             for branch in ("cmp", "slc", "win"):
@@ -128,10 +131,10 @@ def test_prefill_end_to_end(impl, preset, device, data):
 
 
 @given(data=st.data())
-def test_compressed_branch(impl, preset, device, data):
+def test_compressed_branch(impl, envelope, device, data):
     """compress + compressed_attention: a block must not be visible before its last key."""
     impl.require("compress", "compressed_attention")
-    cfg, T, B, seed = draw_case(data, preset)
+    cfg, T, B, seed = draw_case(data, envelope)
     show_reproducer(impl.spec, cfg, "k_cmp, v_cmp = impl.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi)\n"
                     "o_cmp = impl.compressed_attention(x.q, k_cmp, v_cmp, cfg)", T=T, B=B, seed=seed)
 
@@ -150,10 +153,11 @@ def test_compressed_branch(impl, preset, device, data):
 
 
 @given(data=st.data())
-def test_selection_scoring(impl, preset, device, data):
-    """selection_scores (+ select_blocks): rows < s ignore q at >= s and compressed keys not yet visible."""
+def test_selection_scoring(impl, envelope, device, data):
+    """selection_scores (+ select_blocks): rows < s ignore q at >= s and compressed keys not yet visible.
+    (An implementation with only nsa_forward is checked on the indices it returns, test_prefill_end_to_end.)"""
     impl.require("selection_scores")
-    cfg, T, B, seed = draw_case(data, preset)
+    cfg, T, B, seed = draw_case(data, envelope)
     show_reproducer(impl.spec, cfg, "k_cmp = torch.randn(x.q.shape[0], max(0, (x.q.shape[1] - cfg.cmp_block) "
                     "// cfg.cmp_stride + 1), cfg.n_kv_heads, cfg.head_dim_qk, dtype=torch.float64)\n"
                     "scores = impl.selection_scores(x.q, k_cmp, cfg)", T=T, B=B, seed=seed)
@@ -188,10 +192,10 @@ def random_indices(cfg, B: int, T: int, seed: int) -> torch.Tensor:
 
 
 @given(data=st.data())
-def test_selected_branch_partial_block(impl, preset, device, data):
+def test_selected_branch_partial_block(impl, envelope, device, data):
     """selected_attention: keys after p inside the (selected) current block J must stay unread."""
     impl.require("selected_attention")
-    cfg, T, B, seed = draw_case(data, preset)
+    cfg, T, B, seed = draw_case(data, envelope)
     show_reproducer(impl.spec, cfg, "o = impl.selected_attention(x.q, x.kv.slc.k, x.kv.slc.v, indices, cfg)"
                     "  # indices: see random_indices in conformance/test_no_peeking.py", T=T, B=B, seed=seed)
     indices = random_indices(cfg, B, T, seed).to(device)
@@ -201,10 +205,10 @@ def test_selected_branch_partial_block(impl, preset, device, data):
 
 
 @given(data=st.data())
-def test_window_branch(impl, preset, device, data):
+def test_window_branch(impl, envelope, device, data):
     """window_attention: keys [p-w+1, p] (or [p-w, p]) only."""
     impl.require("window_attention")
-    cfg, T, B, seed = draw_case(data, preset)
+    cfg, T, B, seed = draw_case(data, envelope)
     show_reproducer(impl.spec, cfg, "o = impl.window_attention(x.q, x.kv.win.k, x.kv.win.v, cfg)",
                     T=T, B=B, seed=seed)
     run = branch_run(lambda q, k, v: impl.window_attention(q, k, v, cfg), "win", seed, device)
@@ -213,10 +217,10 @@ def test_window_branch(impl, preset, device, data):
 
 
 @given(data=st.data())
-def test_decode_chunk(impl, preset, device, data):
+def test_decode_chunk(impl, envelope, device, data):
     """decode_step with TQ new queries (positions TK-TQ..TK-1): a query ignores the later keys of its chunk."""
     impl.require("decode_step")
-    cfg, TK, B, seed = draw_case(data, preset, low=3)
+    cfg, TK, B, seed = draw_case(data, envelope, low=3)
     TQ = data.draw(st.integers(2, min(TK, 8)), label="TQ")
     show_reproducer(impl.spec, cfg, f"out = impl.decode_step(x.q[:, -{TQ}:], x.kv, x.gates[:, -{TQ}:], cfg, x.phi)",
                     T=TK, B=B, seed=seed, shared_kv=impl.shared_kv)
@@ -228,21 +232,21 @@ def test_decode_chunk(impl, preset, device, data):
         w = loss_weights((B, TK) + tuple(out.o.shape[2:]), seed, s, device)[:, first:]
         return out, grads((out.o * w).sum(), xg)
 
-    x = make_inputs(cfg, TK, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
+    x = inputs_for(impl, cfg, TK, B=B, seed=seed, device=device)
     for s in sorted({data.draw(st.integers(first + 1, TK - 1), label="cut")}):
-        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s), s)
-        for field in ("o", "o_cmp", "o_slc", "o_win", "indices"):
+        (a, ga), (b, gb) = run(x, s), run(perturb_from(x, s, seed=seed + s, caps=impl.caps), s)
+        for field in ("indices", "o", "o_cmp", "o_slc", "o_win"):
             assert_prefix_equal(f"decode {field} (query rows)", getattr(a, field), getattr(b, field), s - first)
         assert_grads_equal(ga, gb, s)
 
 
 @given(data=st.data())
-def test_cached_decode_chunk(impl, preset, device, data):
+def test_cached_decode_chunk(impl, envelope, device, data):
     """NSADecodeCache (optional stage): after a prompt, extend() by a chunk; a query of the chunk ignores the
     chunk's later keys, queries and gates (outputs bitwise)."""
     if not impl.has("NSADecodeCache"):
         pytest.skip(f"not applicable: {impl.name} has no NSADecodeCache (an optional stage)")
-    cfg, T, B, seed = draw_case(data, preset, low=3)
+    cfg, T, B, seed = draw_case(data, envelope, low=3)
     P = data.draw(st.integers(1, T - 2), label="prompt")
     s = data.draw(st.integers(P + 1, T - 1), label="cut")
     show_reproducer(impl.spec, cfg, f"dec = impl.NSADecodeCache(cfg, {B}, {T}, dtype=torch.float64, device='cpu', "
@@ -256,7 +260,38 @@ def test_cached_decode_chunk(impl, preset, device, data):
             out = getattr(decoder, how)(y.q, y.kv, y.gates)
         return out
 
-    x = make_inputs(cfg, T, B=B, seed=seed, device=device, shared_kv=impl.shared_kv)
-    a, b = run(x), run(perturb_from(x, s, seed=seed + s))
-    for field in ("o", "o_cmp", "o_slc", "o_win", "indices"):
+    x = inputs_for(impl, cfg, T, B=B, seed=seed, device=device)
+    a, b = run(x), run(perturb_from(x, s, seed=seed + s, caps=impl.caps))
+    for field in ("indices", "o", "o_cmp", "o_slc", "o_win"):
         assert_prefix_equal(f"cached extend {field} (chunk rows)", getattr(a, field), getattr(b, field), s - P)
+
+
+
+@given(data=st.data())
+def test_black_box_module(impl, envelope, device, data):
+    """A module with its own projections, through forward(x) only (make_module; NSAAttention counts): output rows
+    < s are bitwise unchanged when x at positions >= s changes, and a loss on rows < s sends exactly zero gradient
+    to x at positions >= s."""
+    impl.require("make_module")
+    cfg, T, B, seed = draw_case(data, envelope, high=24)
+    show_reproducer(impl.spec, cfg, f"m = impl.make_module(cfg, {BLACK_BOX_HIDDEN}).double()  # torch.manual_seed("
+                    f"{seed}) first\ny = m(torch.randn({B}, {T}, {BLACK_BOX_HIDDEN}, dtype=torch.float64))",
+                    T=T, B=B, seed=seed)
+    module = black_box_module(impl, cfg, device, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, BLACK_BOX_HIDDEN, generator=g, dtype=torch.float64).to(device)
+    for s in data.draw(cuts(cfg, T), label="cuts"):
+        y = x.clone()
+        y[:, s:] = 3 * torch.randn(y[:, s:].shape, generator=g, dtype=torch.float64).to(device)
+        xg = x.clone().requires_grad_(True)
+        out = call_module(impl, module, xg)
+        with torch.no_grad():
+            other = call_module(impl, module, y)
+        assert_prefix_equal("module output", out, other, s)
+        w = loss_weights(out.shape, seed, s, device)
+        (grad,) = torch.autograd.grad((out * w).sum(), [xg], allow_unused=True)
+        if grad is not None:
+            leak = grad[:, s:].abs().max().item() if s < T else 0.0
+            assert leak == 0, (f"a loss on module outputs < {s} has gradient {leak:.3g} with respect to x at "
+                               f"positions >= {s}: later tokens reach earlier outputs")
+

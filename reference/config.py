@@ -178,4 +178,7 @@ PRESETS: dict[str, NSAConfig] = {
     "strict_cmp_visibility": dataclasses.replace(_PAPER, cmp_visibility="strict"),
     "logit_scores": dataclasses.replace(_PAPER, selection_score="logits"),
     "mean_group_reduce": dataclasses.replace(_PAPER, group_reduce="mean"),
+    # Mean pooling as phi (what most public implementations compress with), with the paper's or equal blocks.
+    "paper_avg": dataclasses.replace(_PAPER, phi="avg"),
+    "equal_blocks_avg": dataclasses.replace(_PAPER, cmp_block=64, cmp_stride=64, sel_block=64, phi="avg"),
 }

@@ -1,4 +1,4 @@
-"""Bug (packed batches, issue 9): compressed blocks cut from a global stride-d grid over the packed row instead of
+"""Bug (packed batches): compressed blocks cut from a global stride-d grid over the packed row instead of
 restarting at each document start. Document i keeps its own count N_i of Eq. 7 blocks (so every shape check
 passes), but its blocks start at the grid point at or before its first token: when a document does not start at
 a multiple of d, its first compressed block straddles the boundary and summarizes the previous document's last

@@ -1,8 +1,9 @@
 """GPU run of the Triton range-attention and group-scores kernels (skipped without CUDA): parity in bf16, fp16 and
 fp32 at the shapes the paper config produces, group sizes 1 to 64, head dims up to 256, packed documents.
 
-Run (H100):  python -m pytest conformance/test_kernel_range_attention_gpu.py -m gpu -q
-Results go to $OUT/range_attention_kernel_gpu.json and .md when OUT is set (tables are printed either way).
+Run (H100):  python -m pytest tests/gpu/test_kernel_range_attention_gpu.py -q [--gpu-report-dir DIR]
+Results go to range_attention_kernel_gpu.json and .md in --gpu-report-dir (default reports/parity; tables are
+printed either way).
 
 Parity rule (FlashAttention's, helpers.error_ratio): max |kernel - float64 naive| <= 2 x max |naive run in the
 same dtype - float64 naive| + 1e-6, for o, lse, dq, dk, dv (the dense naive oracle holds [Hq, TQ, TK] logits, so
@@ -13,14 +14,14 @@ the baseline (scores_in_dtype).
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import optimized as O
 from conformance.helpers import error_ratio, finish_gpu_report, make_inputs, markdown_table
-from conformance.parity import score_tolerance, selection_mismatches
+from tests.kernels.parity import score_tolerance, selection_mismatches
 from optimized import masks
 from optimized.documents import documents
 from optimized.kernels import range_attention_naive, triton_range_attention
@@ -28,7 +29,6 @@ from optimized.ranges import compressed_ranges, window_ranges
 from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,9 +51,9 @@ REPORT: dict = {"parity": [], "scores": []}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def write_report(request: pytest.FixtureRequest):
+def write_report(request: pytest.FixtureRequest, gpu_report_dir: Path):
     yield
-    finish_gpu_report(request, REPORT, "range_attention_kernel_gpu", markdown, os.environ.get("OUT"))
+    finish_gpu_report(request, REPORT, "range_attention_kernel_gpu", markdown, gpu_report_dir)
 
 
 def markdown(report: dict) -> str:
@@ -145,7 +145,7 @@ def scores_in_dtype(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, cu: to
 def test_gpu_group_scores_and_selection(dtype_name: str, packed: bool) -> None:
     """Paper heads (64 q heads, 4 groups, dk 192) at T = 4096: the kernel scores against the torch path's float64
     scores (baseline: scores_in_dtype); the kernel selection agrees with the float64 one up to
-    near-ties (conformance.parity.selection_mismatches) and does not depend on the chunk size."""
+    near-ties (tests/kernels/parity.selection_mismatches) and does not depend on the chunk size."""
     cfg = PAPER
     dtype = DTYPES[dtype_name]
     T = 4096

@@ -1,18 +1,19 @@
 """GPU run of the fused Eq. 9-11 top-n kernel (optimized/kernels/select_top_n.py; skipped without CUDA): compiled,
 at the paper's sizes, its indices must be IDENTICAL (bitwise) to the torch code's on the same group scores.
 
-Run (H100):  python -m pytest conformance/test_kernel_select_top_n_gpu.py -m gpu -q
-Results go to $OUT/select_top_n_gpu.json and .md when OUT is set (tables are printed either way).
+Run (H100):  python -m pytest tests/gpu/test_kernel_select_top_n_gpu.py -q [--gpu-report-dir DIR]
+Results go to select_top_n_gpu.json and .md in --gpu-report-dir (default reports/parity; tables are printed either
+way).
 
-What compiling adds to the interpreter tests (conformance/test_kernel_select_top_n.py): fp fusion must stay off
+What compiling adds to the interpreter tests (tests/kernels/test_kernel_select_top_n.py): fp fusion must stay off
 (an FMA would round Eq. 9's products once instead of twice), the int64 key reductions and the cumsum run as real
 warp/CTA reductions, and the tiles are the GPU's (1024-2048 block keys per row at 64k-128k).
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,6 @@ from optimized.scoring import pool_eq9, select_blocks_rows
 from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DEVICE = "cuda"
 PAPER_HEADS = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)  # the perf sweep's layer (64 q, 4 KV heads)
@@ -37,9 +37,9 @@ REPORT: dict = {"kernel": [], "selection": []}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def write_report(request: pytest.FixtureRequest):
+def write_report(request: pytest.FixtureRequest, gpu_report_dir: Path):
     yield
-    finish_gpu_report(request, REPORT, "select_top_n_gpu", markdown, os.environ.get("OUT"))
+    finish_gpu_report(request, REPORT, "select_top_n_gpu", markdown, gpu_report_dir)
 
 
 def markdown(report: dict) -> str:

@@ -19,7 +19,7 @@ from reference.config import NSAConfig
 from reference.forward import gated_sum
 from reference.selection import forced_blocks
 
-from .helpers import Inputs, error_ratio, make_inputs
+from conformance.helpers import Inputs, error_ratio, make_inputs
 
 LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,13 +1,13 @@
-"""GPU parity of the optimized path with the compiled Triton kernels (issue 3, section 4; skipped without CUDA).
+"""GPU parity of the optimized path with the compiled Triton kernels (skipped without CUDA).
 
-Run (H100):  python -m pytest conformance/test_parity_gpu.py -m gpu -q
+Run (H100):  python -m pytest tests/gpu/test_parity_gpu.py -q [--gpu-report-dir DIR]
 Summary (JSON + markdown: GPU name, dtypes, shapes, oracles, worst error ratios, peak memory, times) goes to
-$NSA_REPORT_DIR, else $OUT/reports/parity when OUT is set, else reports/parity/.
+--gpu-report-dir (default reports/parity; tests/gpu/conftest.py).
 
 Oracles, per check (every comparison uses FlashAttention's error-ratio rule, helpers.error_ratio, with all runs
 getting the same low-precision inputs and the float64 oracle their exact values):
 - small configs (T <= 128, hypothesis + presets): oracle the loop reference in float64 on CPU, baseline the loop
-  reference in the tested dtype on CPU (conformance/parity.low_precision_example, as in the CPU suite);
+  reference in the tested dtype on CPU (tests/kernels/parity.low_precision_example, as in the CPU suite);
 - T = 1061 and 8192 with the paper's head layout (64 q heads, 4 KV groups, d_k = 192, d_v = 128): the full
   forward and backward on the kernels (backend "triton"); oracle and baseline are the loop reference (float64 /
   the tested dtype) on 24 sampled rows, the loss weighting only those rows, so dq/d(gates) of the rows and every
@@ -18,9 +18,9 @@ getting the same low-precision inputs and the float64 oracle their exact values)
   are compared with the loop reference on those rows (float64 oracle, bf16 baseline) and with the vectorized
   float32 path on those rows (nsa_forward_rows) as a second oracle.
 Outputs are teacher-forced on one selection; free selections are compared tie-aware
-(conformance/parity.selection_mismatches) with SELECTION_RTOL. Chunk-size/batch invariance of the selection is
+(tests/kernels/parity.selection_mismatches) with SELECTION_RTOL. Chunk-size/batch invariance of the selection is
 checked bitwise on CUDA.
-Every check also runs with range_backend="triton" (issue 8: the compressed and window branches and Eq. 8 + 10 on
+Every check also runs with range_backend="triton" (the compressed and window branches and Eq. 8 + 10 on
 the range-attention and group-scores kernels; `-k range` selects those runs), reported with "range kernels" in
 the case name.
 """
@@ -28,7 +28,6 @@ the case name.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -40,13 +39,12 @@ from hypothesis import strategies as st
 import optimized as O
 import reference
 from conformance.helpers import Inputs, error_ratio, finish_gpu_report, make_inputs, markdown_table
-from conformance.parity import (cotangent, grads_of, low_precision_example, reference_teacher_forced,
-                                score_tolerance, selection_mismatches, small_configs, tensor_names)
+from tests.kernels.parity import (cotangent, grads_of, low_precision_example, reference_teacher_forced,
+                                  score_tolerance, selection_mismatches, small_configs, tensor_names)
 from reference import selection as ref_selection
 from optimized.scoring import selection_scores_rows
 from reference.config import NSAConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DEVICE = "cuda"
 GPU_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -61,18 +59,10 @@ REPORT: dict = {"small_vs_loop_reference": [], "kernels_up_to_8k": [], "chunk_in
 ROWS_PER_CHECK = 24
 
 
-def report_dir() -> Path:
-    if os.environ.get("NSA_REPORT_DIR"):
-        return Path(os.environ["NSA_REPORT_DIR"])
-    if os.environ.get("OUT"):
-        return Path(os.environ["OUT"]) / "reports" / "parity"
-    return Path("reports") / "parity"
-
-
 @pytest.fixture(scope="module", autouse=True)
-def write_report(request: pytest.FixtureRequest):
+def write_report(request: pytest.FixtureRequest, gpu_report_dir: Path):
     yield
-    finish_gpu_report(request, REPORT, "parity_gpu", markdown, report_dir())
+    finish_gpu_report(request, REPORT, "parity_gpu", markdown, gpu_report_dir)
 
 
 def markdown(report: dict) -> str:

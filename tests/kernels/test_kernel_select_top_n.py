@@ -1,4 +1,4 @@
-"""The fused Eq. 9-11 top-n kernel (optimized/kernels/select_top_n.py, issue 8) against the torch code it replaces
+"""The fused Eq. 9-11 top-n kernel (optimized/kernels/select_top_n.py) against the torch code it replaces
 on the same group scores P: scoring.pool_eq9, the masked_fill past J and scoring.select_blocks_rows. The indices
 must be IDENTICAL (bitwise): ties, signed zeros, rows with fewer blocks than n, forced blocks overlapping,
 every preset, packed documents. Then selection_indices(range_backend="triton"), which runs the kernel, against

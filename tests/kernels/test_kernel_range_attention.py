@@ -1,4 +1,4 @@
-"""Triton range-attention and group-scores kernels (optimized/kernels, issue 8) vs their dense oracle, the float64
+"""Triton range-attention and group-scores kernels (optimized/kernels) vs their dense oracle, the float64
 loop reference, and the torch path of the optimized implementation.
 
 On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, root conftest), on tiny
@@ -16,7 +16,7 @@ import torch
 
 import optimized as O
 from conformance.helpers import error_ratio, make_inputs, rel_error
-from conformance.parity import low_precision_example
+from tests.kernels.parity import low_precision_example
 from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention

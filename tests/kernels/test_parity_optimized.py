@@ -1,4 +1,4 @@
-"""Parity of the vectorized optimized path with the float64 loop reference, on CPU (issue 3, section 4).
+"""Parity of the vectorized optimized path with the float64 loop reference, on CPU.
 
 Oracle: `reference` in float64. Rules:
 - float64: every output and gradient within 1e-10 (relative to the largest reference value, at least 1);
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import optimized as O
 import reference as R
 from conformance.helpers import error_ratio, make_inputs, max_abs_error
-from conformance.parity import (LOW_PRECISION, cotangent, grads_of, low_precision_example, score_tolerance,
+from tests.kernels.parity import (LOW_PRECISION, cotangent, grads_of, low_precision_example, score_tolerance,
                                 selection_mismatches, sequence_lengths, small_configs)
 from optimized import masks
 

@@ -1,7 +1,8 @@
 """GPU run of the Triton selected-attention kernels (skipped without CUDA): parity, T = 65536, timings.
 
-Run (H100):  python -m pytest conformance/test_kernel_selected_attention_gpu.py -m gpu -q
-Results go to $OUT/selected_attention_kernel_gpu.json and .md when OUT is set (tables are printed either way).
+Run (H100):  python -m pytest tests/gpu/test_kernel_selected_attention_gpu.py -q [--gpu-report-dir DIR]
+Results go to selected_attention_kernel_gpu.json and .md in --gpu-report-dir (default reports/parity; tables are
+printed either way).
 
 Parity rule (FlashAttention's, helpers.error_ratio): max |kernel - float64 naive| <= 2 x max |naive run in the
 same dtype - float64 naive| + 1e-6, on sampled query rows. dq of a row depends only on that row's dO, so the
@@ -12,15 +13,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conformance.helpers import error_ratio, finish_gpu_report, markdown_table, rel_error
-from conformance.selected_kernel_inputs import Case, random_indices, random_qkv
+from tests.kernels.selected_kernel_inputs import Case, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels.selected_attention_bwd import (selected_attention_backward, selected_attention_backward_dkdv,
                                                       selected_attention_backward_dq)
@@ -28,7 +29,6 @@ from optimized.kernels.selected_attention_fwd import selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
 from optimized.kernels.tiling import DkdvTiling, Tiling
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,9 +51,9 @@ REPORT: dict = {"parity": [], "long": [], "timing": [], "forward_sweep": [], "dq
 
 
 @pytest.fixture(scope="module", autouse=True)
-def write_report(request: pytest.FixtureRequest):
+def write_report(request: pytest.FixtureRequest, gpu_report_dir: Path):
     yield
-    finish_gpu_report(request, REPORT, "selected_attention_kernel_gpu", markdown, os.environ.get("OUT"))
+    finish_gpu_report(request, REPORT, "selected_attention_kernel_gpu", markdown, gpu_report_dir)
 
 
 def sampled_rows(case: Case, seed: int) -> torch.Tensor:

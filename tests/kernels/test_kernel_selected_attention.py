@@ -15,7 +15,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from conformance.helpers import error_ratio, rel_error
-from conformance.selected_kernel_inputs import Case, document_starts, random_indices, random_qkv
+from tests.kernels.selected_kernel_inputs import Case, document_starts, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels import selected_attention_bwd as bwd_module
 from optimized.kernels.selected_attention_fwd import logsumexp, selected_attention_forward
@@ -368,7 +368,7 @@ def test_dkdv_fallback_shrinks_stages_then_columns_then_key_rows() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Packed batches (cu_seqlens, issue 9): doc_start [TQ] = first key of each query row's document; indices are
+# Packed batches (cu_seqlens): doc_start [TQ] = first key of each query row's document; indices are
 # document-relative (block j of a row = keys doc_start + j * l' ..). Empty documents, documents shorter than l',
 # of exactly l' and l' + 1 tokens, and (decode chunk) a first row whose document starts before it.
 PACKED_CASES = {
