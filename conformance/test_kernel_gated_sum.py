@@ -19,7 +19,7 @@ import optimized as O
 from conformance.helpers import error_ratio, make_inputs
 from optimized.forward import gated_sum
 from optimized.kernels.gated_sum import gated_sum_kernel
-from optimized.masked_attention import compute_dtype
+from optimized.dispatch import compute_dtype
 from reference.config import NSAConfig
 
 CUDA = torch.cuda.is_available()

@@ -11,7 +11,7 @@ from reference.contract import PhiMLPWeights, PhiWeights
 
 from . import masks
 from .documents import Documents, documents
-from .masked_attention import compute_dtype
+from .dispatch import compute_dtype
 
 
 def block_windows(x: Tensor, cfg: NSAConfig) -> Tensor:
@@ -53,7 +53,9 @@ def _check_kv(k: Tensor, v: Tensor) -> None:
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
-def _check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None:
+def check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None:
+    """phi weights are given when cfg.phi = "mlp" and have the shapes of l, d_k and d_v (ValueError naming the
+    tensor and the rule)."""
     if cfg.phi != "mlp":
         return
     if phi is None:
@@ -83,10 +85,10 @@ def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None
 
 def compress_unrounded(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
                        docs: Documents | None = None) -> tuple[Tensor, Tensor]:
-    """compress, left in the compute dtype (masked_attention.compute_dtype) for nsa_forward's attention.
+    """compress, left in the compute dtype (dispatch.compute_dtype) for nsa_forward's attention.
     docs: the layout of a packed batch (documents.documents), None for independent rows."""
     _check_kv(k, v)
-    _check_phi(cfg, phi, k.shape[-1], v.shape[-1])
+    check_phi(cfg, phi, k.shape[-1], v.shape[-1])
     if docs is None:
         k_blocks, v_blocks = block_windows(k, cfg), block_windows(v, cfg)
     else:

@@ -9,8 +9,8 @@ from reference.config import NSAConfig
 from reference.contract import BranchKV, NSAOutput, PhiWeights
 from reference.module import NSAAttention as ReferenceNSAAttention
 
+from .dispatch import check_backend
 from .forward import nsa_forward
-from .selected import BACKENDS
 
 
 class NSAAttention(ReferenceNSAAttention):
@@ -18,8 +18,7 @@ class NSAAttention(ReferenceNSAAttention):
 
     def __init__(self, hidden_size: int, cfg: NSAConfig, *, gate_hidden: int | None = None,
                  phi_hidden: int | None = None, rope_base: float = 10000.0, backend: str = "auto"):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_backend("backend", backend)
         super().__init__(hidden_size, cfg, gate_hidden=gate_hidden, phi_hidden=phi_hidden, rope_base=rope_base)
         self.backend = backend
 

@@ -23,7 +23,7 @@ import triton
 from optimized.kernels.decode_splits import Partials
 from optimized.kernels.decode_step import BLOCK_N, CMP_STAGES, STEP_WARPS, equal_shares
 from optimized.kernels.decode_step_cmp import _compressed_split_kernel
-from optimized.kernels.selected_attention_fwd import LOG2E
+from optimized.numerics import LOG2E
 
 from .decode_bench import report_dir, write_probe_report
 

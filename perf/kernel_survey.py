@@ -111,12 +111,12 @@ def lean_cases() -> list[Case]:
 
 def prefill_cases() -> list[Case]:
     """The range-kernel path's launches at the paper layout (16 heads per KV group, d_k = d_v = 128, bf16) with the
-    tiles optimized/kernels/tiling.py picks: the group-scores kernel, the range forward, dq (consistent D) and
+    tiles optimized/kernels/common.py picks: the group-scores kernel, the range forward, dq (consistent D) and
     dk/dv. dk/dv's 32 x 128 tiles spill 8 B and measured fastest (perf/NOTES.md, 37152cf), so 8 B are allowed."""
-    from optimized.kernels.group_scores import _group_scores_kernel
+    from optimized.kernels.common import range_tiling
+    from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
-    from optimized.kernels.range_attention_fwd import _range_attention_fwd_kernel
-    from optimized.kernels.tiling import range_tiling
+    from optimized.kernels.selection import _group_scores_kernel
 
     import torch
 

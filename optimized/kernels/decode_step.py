@@ -20,12 +20,12 @@ import torch
 import triton
 from torch import Tensor
 
+from ..numerics import LOG2E
+from .common import MIN_DOT, interpreting, key_tile_rows, padded
 from .decode_append import append_step_tokens
 from .decode_splits import Partials, program_budget
 from .decode_step_cmp import _compressed_split_kernel, _score_kernel, _select_kernel
 from .decode_step_sparse import _gate_kernel, _sparse_split_kernel
-from .selected_attention_fwd import LOG2E
-from .tiling import MIN_DOT, interpreting, key_tile_rows, padded
 from .top_n import list_width
 
 BLOCK_N = 64  # key-tile rows of the compressed split (16 in the interpreter, so tiny tests span several tiles)

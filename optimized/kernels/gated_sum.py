@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiling import MAX_HEAD_DIM, row_pass_shape, row_view
+from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
+from .common import row_pass_shape, row_view
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INPUT_DTYPES = FLOAT_DTYPES + (torch.float64,)  # the selected branch hands o_slc in the compute dtype
+INPUT_DTYPES = KERNEL_DTYPES + (torch.float64,)  # the selected branch hands o_slc in the compute dtype
 COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 
@@ -174,13 +174,13 @@ def gated_sum_kernel(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor,
         if not isinstance(x, Tensor) or x.dim() != 4 or x.dtype not in INPUT_DTYPES:
             raise ValueError(f"{where}: {name} must be a 4-D fp64/fp32/bf16/fp16 tensor, got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    if o_slc.shape != o_cmp.shape or o_win.shape != o_cmp.shape or o_cmp.shape[-1] > MAX_HEAD_DIM:
+    if o_slc.shape != o_cmp.shape or o_win.shape != o_cmp.shape or o_cmp.shape[-1] > MAX_KERNEL_HEAD_DIM:
         raise ValueError(f"{where}: o_cmp, o_slc, o_win must share one shape [B, T, Hq, d_v] with d_v <= "
-                         f"{MAX_HEAD_DIM}, got {tuple(o_cmp.shape)}, {tuple(o_slc.shape)}, {tuple(o_win.shape)}")
+                         f"{MAX_KERNEL_HEAD_DIM}, got {tuple(o_cmp.shape)}, {tuple(o_slc.shape)}, {tuple(o_win.shape)}")
     if tuple(gates.shape) != (*o_cmp.shape[:3], 3):
         raise ValueError(f"{where}: gates must be [B, T, Hq, 3] = {[*o_cmp.shape[:3], 3]}, got {tuple(gates.shape)}")
-    if compute not in COMPUTE_DTYPES or dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{where}: compute must be one of {COMPUTE_DTYPES} and dtype one of {FLOAT_DTYPES}, got "
+    if compute not in COMPUTE_DTYPES or dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{where}: compute must be one of {COMPUTE_DTYPES} and dtype one of {KERNEL_DTYPES}, got "
                          f"{compute}, {dtype}")
     if len({x.device for _, x in named}) != 1:
         raise ValueError(f"{where}: gates, o_cmp, o_slc, o_win must be on one device, got "

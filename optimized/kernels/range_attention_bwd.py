@@ -1,4 +1,4 @@
-"""Backward Triton kernels of range attention (range_attention_fwd.py), FlashAttention-2 style, deterministic.
+"""Backward Triton kernels of range attention (range_attention.py), FlashAttention-2 style, deterministic.
 
 With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D, one pass over dO and O:
 range_attention_delta), the probabilities are rebuilt as
@@ -32,11 +32,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .range_attention_fwd import _key_tile_span
-from .selected_attention_bwd import _compensated_add
-from .selected_attention_fwd import LOG2E, dot_settings
-from .tiling import (RangeTiling, launch_with_fallback, padded, range_tiling, row_pass_shape, row_view,
-                     smaller_range_tilings)
+from ..numerics import LOG2E
+from .common import (RangeTiling, compensated_add, dot_settings, key_tile_span, launch_with_fallback, padded,
+                     range_tiling, row_pass_shape, row_view, smaller_range_tilings)
 
 
 @triton.jit
@@ -67,7 +65,7 @@ def _range_attention_dq_kernel(
     dv_mask = offs_dv < DV
 
     # int32 ranges and keys, int64 pointer offsets; the same key tiles as the forward
-    lo, hi, start, last = _key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
+    lo, hi, start, last = key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
     q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
@@ -196,9 +194,9 @@ def _range_attention_dkdv_kernel(
             pT = tl.where(in_range, tl.exp2(sT * scale_log2 - lse2[None, :]), 0.0)
             dsT = pT * (dpT - delta[None, :])
             if COMPENSATED:  # fp32: each step's dot on its own, then a Kahan add (module docstring)
-                dval, dval_comp = _compensated_add(dval, dval_comp, tl.dot(pT, do.to(tl.float32),
+                dval, dval_comp = compensated_add(dval, dval_comp, tl.dot(pT, do.to(tl.float32),
                                                                            input_precision=INPUT_PRECISION))
-                dkey, dkey_comp = _compensated_add(dkey, dkey_comp, tl.dot(dsT, q.to(tl.float32),
+                dkey, dkey_comp = compensated_add(dkey, dkey_comp, tl.dot(dsT, q.to(tl.float32),
                                                                            input_precision=INPUT_PRECISION))
             elif DOT_FP32:  # P and dS enter the dots rounded to the input dtype, as on the GPU
                 dval += tl.dot(pT.to(do.dtype).to(tl.float32), do.to(tl.float32), input_precision=INPUT_PRECISION)

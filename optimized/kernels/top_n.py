@@ -23,19 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiling import padded
+from .common import float_order, padded
 
 EMPTY = tl.constexpr(-9223372036854775807)  # below every rank key: an unused list slot
 REVERSED = tl.constexpr(0x7FFFFFFF)  # low 32 bits of a rank key: REVERSED - block index
-
-
-@triton.jit
-def float_order(x):
-    """int32 of fp32 x whose integer order is the float order, -0.0 taken as +0.0 (masks.ranked_blocks's + 0.0):
-    the high word of an Eq. 11 rank key, here and in the prefill's select_top_n kernel."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> +0.0
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
