@@ -80,7 +80,7 @@ def _torch_only(what: str, shape: dict[str, int], limit: str) -> bool:
         _warned_shapes.add(key)
         named = ", ".join(f"{k}={v}" for k, v in shape.items())
         warnings.warn(f"optimized NSA: {what} runs on the torch path for {named}: the kernels take {limit}",
-                      stacklevel=3)
+                      stacklevel=4)
     return False
 
 
@@ -98,15 +98,21 @@ class Route:
 def route(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", range_backend: str = "auto",
           queries_are_suffix: bool = True) -> Route:
     """The one decision of a call on queries q [B, TQ, Hq, dk] over keys k [B, TK, Hkv, dk] and values
-    v [B, TK, Hkv, dv]. queries_are_suffix: the queries sit at the last TQ key positions (prefill, decode), which
-    the selected-attention kernel needs."""
+    v [B, TK, Hkv, dv] (decide() for their device, dtype and shape). queries_are_suffix: the queries sit at the last
+    TQ key positions (prefill, decode), which the selected-attention kernel needs."""
+    return decide(q.device, q.dtype, q.shape[2] // max(k.shape[2], 1), q.shape[3], v.shape[3], backend=backend,
+                  range_backend=range_backend, queries_are_suffix=queries_are_suffix)
+
+
+def decide(device: torch.device, dtype: torch.dtype, group: int, head_dim_qk: int, head_dim_v: int, *,
+           backend: str = "auto", range_backend: str = "auto", queries_are_suffix: bool = True) -> Route:
+    """Where a call on tensors of this device and dtype runs, for `group` query heads per KV group and these head
+    dims (module docstring)."""
     check_backend("backend", backend)
     check_backend("range_backend", range_backend)
-    dtype, device = q.dtype, q.device
-    group, dk, dv = q.shape[2] // max(k.shape[2], 1), q.shape[3], v.shape[3]
-    dims = {"head_dim_qk": dk, "head_dim_v": dv}
+    dims = {"head_dim_qk": head_dim_qk, "head_dim_v": head_dim_v}
     kernels = auto_picks_kernels(device, dtype)
-    dims_fit = max(dk, dv) <= MAX_KERNEL_HEAD_DIM
+    dims_fit = max(head_dim_qk, head_dim_v) <= MAX_KERNEL_HEAD_DIM
     limit = f"head dims up to {MAX_KERNEL_HEAD_DIM}"
 
     if range_backend == "triton":

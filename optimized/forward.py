@@ -31,7 +31,7 @@ from .window import window_attention_rows
 
 def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
                 backend: str = "auto", chunk_size: int | None = None, indices: Tensor | None = None,
-                cu_seqlens: Tensor | None = None, range_backend: str = "torch") -> NSAOutput:
+                cu_seqlens: Tensor | None = None, range_backend: str = "auto") -> NSAOutput:
     """NSA prefill for queries at positions 0..T-1 over keys 0..T-1 of every branch.
 
     backend: the selected branch's backend, range_backend: every other stage's ("auto" | "torch" | "triton",
@@ -42,12 +42,12 @@ def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Phi
     if q.shape[1] == 0:
         raise ValueError("q must hold at least one position (T >= 1)")
     positions = torch.arange(q.shape[1], device=q.device)
-    return nsa_forward_rows(q, kv, gates, cfg, phi, positions, backend=backend, chunk_size=chunk_size,
-                            indices=indices, cu_seqlens=cu_seqlens, range_backend=range_backend)
+    return _forward(q, kv, gates, cfg, phi, positions, True, backend=backend, range_backend=range_backend,
+                    chunk_size=chunk_size, indices=indices, cu_seqlens=cu_seqlens)
 
 
 def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
-                backend: str = "auto", chunk_size: int | None = None, range_backend: str = "torch") -> NSAOutput:
+                backend: str = "auto", chunk_size: int | None = None, range_backend: str = "auto") -> NSAOutput:
     """Decode without a cache: q [B, TQ, Hq, d_k] holds the newest TQ queries, at positions TK-TQ .. TK-1 of the
     TK keys/values in kv (which include the new tokens' own keys). Recompresses the keys each call."""
     TQ = q.shape[1]
@@ -56,22 +56,31 @@ def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Phi
     if not 1 <= TQ <= TK:
         raise ValueError(f"decode_step needs 1 <= TQ <= TK, got TQ={TQ}, TK={TK}")
     positions = torch.arange(TK - TQ, TK, device=q.device)
-    return nsa_forward_rows(q, kv, gates, cfg, phi, positions, backend=backend, chunk_size=chunk_size,
-                            range_backend=range_backend)
+    return _forward(q, kv, gates, cfg, phi, positions, True, backend=backend, range_backend=range_backend,
+                    chunk_size=chunk_size)
 
 
 def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None,
                      positions: Tensor, *, backend: str = "auto", chunk_size: int | None = None,
                      indices: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                     range_backend: str = "torch") -> NSAOutput:
+                     range_backend: str = "auto") -> NSAOutput:
     """NSA for queries q [B, TQ, Hq, dk] (gates [B, TQ, Hq, 3]) at absolute, increasing positions [TQ] over the
     TK keys of every branch in kv. indices: given selection indices [B, TQ, Hkv, n] replace Eq. 8-11
     (teacher forcing). cu_seqlens: the TK keys are a packed batch (B = 1) of documents (reference.packing);
     positions are packed positions and everything (compressed blocks, selection blocks and indices, windows) is
     document-relative. backend, range_backend: see nsa_forward."""
+    suffix = backend == "torch" or _queries_are_suffix(positions, kv.win.k.shape[1])
+    return _forward(q, kv, gates, cfg, phi, positions, suffix, backend=backend, range_backend=range_backend,
+                    chunk_size=chunk_size, indices=indices, cu_seqlens=cu_seqlens)
+
+
+def _forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None, positions: Tensor,
+             queries_are_suffix: bool, *, backend: str, range_backend: str, chunk_size: int | None,
+             indices: Tensor | None = None, cu_seqlens: Tensor | None = None) -> NSAOutput:
+    """Route once, then run one path (queries_are_suffix: the queries sit at the last TQ key positions)."""
     n_keys = kv.win.k.shape[1]
-    suffix = backend == "torch" or _queries_are_suffix(positions, n_keys)
-    where = route(q, kv.slc.k, kv.slc.v, backend=backend, range_backend=range_backend, queries_are_suffix=suffix)
+    where = route(q, kv.slc.k, kv.slc.v, backend=backend, range_backend=range_backend,
+                  queries_are_suffix=queries_are_suffix)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of query positions, got {chunk_size}")
     docs = None if cu_seqlens is None else documents(cu_seqlens, n_keys, q.shape[0], cfg, q.device)

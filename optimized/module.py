@@ -14,16 +14,22 @@ from .forward import nsa_forward
 
 
 class NSAAttention(ReferenceNSAAttention):
-    """One NSA attention layer; backend picks the selected-branch backend ("auto" | "torch" | "triton")."""
+    """One NSA attention layer. backend (the selected branch) and range_backend (every other stage) take
+    nsa_forward's values: "auto" (the default: the Triton kernels for CUDA tensors, the torch path elsewhere;
+    optimized.dispatch), "torch" or "triton"."""
 
     def __init__(self, hidden_size: int, cfg: NSAConfig, *, gate_hidden: int | None = None,
-                 phi_hidden: int | None = None, rope_base: float = 10000.0, backend: str = "auto"):
+                 phi_hidden: int | None = None, rope_base: float = 10000.0, backend: str = "auto",
+                 range_backend: str = "auto"):
         check_backend("backend", backend)
+        check_backend("range_backend", range_backend)
         super().__init__(hidden_size, cfg, gate_hidden=gate_hidden, phi_hidden=phi_hidden, rope_base=rope_base)
         self.backend = backend
+        self.range_backend = range_backend
 
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
                            cu_seqlens: Tensor | None = None) -> NSAOutput:
         """The vectorized NSA; cu_seqlens: a packed batch, computed on the packed path directly (no loop over
         documents). The reference module's project() restarts RoPE positions at each document start."""
-        return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend, cu_seqlens=cu_seqlens)
+        return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend, range_backend=self.range_backend,
+                           cu_seqlens=cu_seqlens)

@@ -29,7 +29,7 @@ __all__ = ["compress", "compressed_attention", "selection_scores", "select_block
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig, *,
                          chunk_size: int | None = None, cu_seqlens: Tensor | None = None,
-                         range_backend: str = "torch") -> Tensor:
+                         range_backend: str = "auto") -> Tensor:
     """Compressed branch for prefill queries at positions 0..T-1: o_cmp [B, T, Hq, d_v].
     A query with no visible compressed block gets exactly 0.
     cu_seqlens (packed batch, B = 1): k_cmp/v_cmp hold the packed compressed tokens of compress(..., cu_seqlens);
@@ -51,7 +51,7 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cfg: NSAConfig
 
 
 def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None,
-                     cu_seqlens: Tensor | None = None, range_backend: str = "torch") -> Tensor:
+                     cu_seqlens: Tensor | None = None, range_backend: str = "auto") -> Tensor:
     """Eq. 8-10 for prefill queries 0..T-1: [B, T, Hkv, ceil(T / l')] in compute_dtype(q.dtype) on the torch path,
     float32 on the kernels, -inf for blocks after J = p // l'.
     cu_seqlens (packed batch, B = 1; k_cmp from compress(..., cu_seqlens)): [1, T, Hkv, NB], NB = max_i
@@ -93,7 +93,7 @@ def select_blocks(scores: Tensor, cfg: NSAConfig, *, cu_seqlens: Tensor | None =
 
 def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Tensor | None = None,
                       n_keys: int | None = None, chunk_size: int | None = None, cu_seqlens: Tensor | None = None,
-                      range_backend: str = "torch") -> Tensor:
+                      range_backend: str = "auto") -> Tensor:
     """Eq. 8-11 fused and chunked over queries: indices [B, TQ, Hkv, n] for queries q [B, TQ, Hq, dk] at
     positions (default 0..TQ-1) over n_keys keys (default max position + 1). Peak memory is O(chunk * N) per
     head; no [TQ, N] or [TQ, ceil(T/l')] tensor is built for all queries at once. The result does not depend on
@@ -138,7 +138,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NS
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, *, chunk_size: int | None = None,
-                     cu_seqlens: Tensor | None = None, range_backend: str = "torch") -> Tensor:
+                     cu_seqlens: Tensor | None = None, range_backend: str = "auto") -> Tensor:
     """Sliding-window branch for prefill queries 0..T-1: o_win [B, T, Hq, d_v].
     cu_seqlens (packed batch, B = 1): keys max(s, p-w+1) .. p for a query at p of the document starting at s.
     range_backend: "auto", "torch" (banded masked attention) or "triton" (the range-attention kernel)."""

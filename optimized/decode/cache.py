@@ -21,8 +21,8 @@ from torch import Tensor
 from reference.config import NSAConfig
 from reference.contract import BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
 
-from .. import compression, masks
-from ..dispatch import KERNEL_DTYPES, auto_picks_kernels, check_backend, check_kernels_run_on
+from .. import compression, dispatch, masks
+from ..dispatch import KERNEL_DTYPES, check_backend, check_kernels_run_on
 from ..forward import gated_sum, nsa_forward
 from ..numerics import CHUNK_ELEMENTS
 from . import branches, lean
@@ -46,7 +46,8 @@ class NSADecodeCache:
     one token per row; extend(...) appends a chunk of TQ tokens per row (its queries are the last TQ positions).
     Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
     each branch gathered. backend: "auto" (the kernels on CUDA, optimized.dispatch), "torch" (any device) or
-    "triton" (the kernels; CPU needs TRITON_INTERPRET=1). Steps on the
+    "triton" (the kernels; CPU needs TRITON_INTERPRET=1), for the prefill (both of nsa_forward's backend
+    keywords) as for the decode calls. Steps on the
     kernel path run the lean step (six Triton launches, optimized/decode/lean.py) unless lean_step=False, which
     keeps them on the seam-by-seam kernel path of every other call (for comparisons). Which convention seams each
     path honours: docs/decode.md. compile_stages=True runs the
@@ -105,7 +106,7 @@ class NSADecodeCache:
         """"triton", or "auto" where optimized.dispatch picks the kernels (CUDA, a kernel dtype), as the prefill."""
         if self.backend == "triton":
             return True
-        return self.backend == "auto" and auto_picks_kernels(self.device, self.dtype)
+        return self.backend == "auto" and dispatch.auto_picks_kernels(self.device, self.dtype)
 
     def uses_lean_step(self, n_queries: int = 1) -> bool:
         """Whether a call with n_queries new tokens per row runs the lean step (optimized/decode/lean.py): steps
@@ -153,7 +154,8 @@ class NSADecodeCache:
             raise ValueError(f"prompt length {T} exceeds NSADecodeCache.capacity = {self.capacity}")
         if int(self._lengths.max()) > 0:
             raise ValueError("NSADecodeCache.fill/prefill need an empty cache (call reset() first)")
-        out = nsa_forward(q, kv, gates, self.cfg, self.phi, backend=self.backend, chunk_size=chunk_size)
+        out = nsa_forward(q, kv, gates, self.cfg, self.phi, backend=self.backend, range_backend=self.backend,
+                          chunk_size=chunk_size)
         self.fill(kv, counts)
         real = torch.arange(T)[None, :] < counts[:, None]
         return _zero_padding(out, real.to(self.device))
