@@ -83,16 +83,19 @@ def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None
     return k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
 
-def compress_unrounded(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
-                       docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+def compress_unrounded(k: Tensor, v: Tensor | None, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+                       docs: Documents | None = None) -> tuple[Tensor, Tensor | None]:
     """compress, left in the compute dtype (dispatch.compute_dtype) for nsa_forward's attention.
+    v=None: the keys only (v_cmp is None), for a call that selects blocks but leaves the compressed branch out.
     docs: the layout of a packed batch (documents.documents), None for independent rows."""
-    _check_kv(k, v)
-    check_phi(cfg, phi, k.shape[-1], v.shape[-1])
+    _check_kv(k, k if v is None else v)
+    check_phi(cfg, phi, k.shape[-1], cfg.head_dim_v if v is None else v.shape[-1])
     if docs is None:
-        k_blocks, v_blocks = block_windows(k, cfg), block_windows(v, cfg)
+        k_blocks = block_windows(k, cfg)
+        v_blocks = None if v is None else block_windows(v, cfg)
     else:
-        k_blocks, v_blocks = packed_block_windows(k, docs, cfg), packed_block_windows(v, docs, cfg)
+        k_blocks = packed_block_windows(k, docs, cfg)
+        v_blocks = None if v is None else packed_block_windows(v, docs, cfg)
     if cfg.phi == "avg":
-        return phi_avg(k_blocks), phi_avg(v_blocks)
-    return phi_mlp(k_blocks, phi.k), phi_mlp(v_blocks, phi.v)
+        return phi_avg(k_blocks), None if v is None else phi_avg(v_blocks)
+    return phi_mlp(k_blocks, phi.k), None if v is None else phi_mlp(v_blocks, phi.v)
