@@ -17,6 +17,7 @@ CFG = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, window=5, n_hea
                 head_dim_v=8, phi="mlp")
 GATE = {"cmp": 0, "slc": 1, "win": 2}
 KERNELS = dict(backend="triton", range_backend="triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in Triton's interpreter
 
 
 @pytest.mark.parametrize("bad, rule", [(("cmp", "window"), "unknown branch name"), ((), "at least one"),
@@ -45,7 +46,7 @@ def run(x, kept: tuple[str, ...], kernels: bool, gates=None):
 @pytest.mark.parametrize("left_out", ["cmp", "slc", "win"])
 def test_a_branch_left_out_contributes_nothing(left_out: str, kernels: bool, monkeypatch) -> None:
     dtype = torch.float32 if kernels else torch.float64
-    x = make_inputs(CFG, 40, B=2, seed=3, dtype=dtype, phi_hidden=4)
+    x = make_inputs(CFG, 40, B=2, seed=3, dtype=dtype, device=DEVICE if kernels else "cpu", phi_hidden=4)
     kept = tuple(b for b in ("cmp", "slc", "win") if b != left_out)
     zero_gate = x.gates.clone()
     zero_gate[..., GATE[left_out]] = 0
@@ -80,7 +81,7 @@ def test_a_branch_left_out_contributes_nothing(left_out: str, kernels: bool, mon
 def test_leaving_out_cmp_on_the_kernels_computes_only_the_normaliser(monkeypatch) -> None:
     """The selection still needs the compressed branch's softmax normaliser (Eq. 8): the range kernel runs without
     values (no P.V product), and no compressed values are built."""
-    x = make_inputs(CFG, 40, seed=4, dtype=torch.float32, phi_hidden=4)
+    x = make_inputs(CFG, 40, seed=4, dtype=torch.float32, device=DEVICE, phi_hidden=4)
     calls = []
     real = range_attention.compressed_branch
     monkeypatch.setattr(range_attention, "compressed_branch",

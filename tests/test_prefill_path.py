@@ -23,6 +23,7 @@ from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
 
 ROOT = Path(optimized.__file__).resolve().parent
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in Triton's interpreter
 CFG = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, window=5, n_heads=4, n_kv_heads=2, head_dim_qk=8,
                 head_dim_v=8, phi="avg")
 
@@ -89,8 +90,8 @@ def path_problems(listed: list[str], executed: list[str], from_forward: list[str
 def test_prefill_on_the_kernel_path_crosses_the_listed_files_once(packed: bool) -> None:
     listed = listed_files()
     assert len(listed) <= 10 and len(set(listed)) == len(listed) and listed[0] == "forward.py"
-    x = make_inputs(CFG, 24, dtype=torch.float32)
-    cu = cu_seqlens_of([10, 14], "cpu") if packed else None
+    x = make_inputs(CFG, 24, dtype=torch.float32, device=DEVICE)
+    cu = cu_seqlens_of([10, 14], DEVICE) if packed else None
 
     def call():
         return optimized.nsa_forward(x.q, x.kv, x.gates, CFG, backend="triton", range_backend="triton",
