@@ -213,14 +213,9 @@ RANGE_KINDS = ("forward", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 
 # (largest BLOCK_DK + BLOCK_DV, (block_m, block_n, num_warps)) per kernel, half precision: the widest tiles that
 # compile for sm_90 without spilling, or with the least (cuobjdump -res-usage of triton.compile for
-# GPUTarget("cuda", 90, 32), Triton 3.7; perf/NOTES.md lists the survey). dk/dv: block_m = query rows per step,
-# block_n = key rows per program. scores, d_k = 128: 128 x 128 / 8 warps (114 registers) measured 1.69 ms against
-# 1.97 for 64 x 64 / 8 on the last 8k rows at 64k (perf.prefill_probe, H100). dq with the consistent D (its sum P k
-# accumulator, every dtype since 2026-11-25, a bf16 dot in half precision): 64 x 32 / 4 warps at 128 + 128 uses 251
-# registers, no spill; 256 + 128 needs 8 warps (4 spill 8 B; 8: 179 registers). dk/dv at 128 + 128: 32 query rows x
-# 128 keys / 8 warps (wgmma, 255 registers, 8 B of spill) measured 58.4 / 20.6 ms for the whole compressed / window
-# backward at 64k against 94.6 / 29.5 with the 64 x 32 tiles before it (mma.sync, 212 registers) and 91.7 / 28.0
-# with 32 x 64 (wgmma, 238, no spill) (perf.prefill_probe, H100, 2026-11-25).
+# GPUTarget("cuda", 90, 32); perf.kernel_survey checks them), and among those the fastest measured (perf/NOTES.md).
+# dk/dv: block_m = query rows per step, block_n = key rows per program; its 128 + 128 tiles (32 x 128, 8 warps,
+# wgmma) spill 8 B.
 _RANGE_TABLE = {
     "forward": ((128, (128, 64, 8)), (256, (64, 32, 4)), (384, (128, 64, 8)), (512, (64, 32, 8))),
     "dq": ((128, (64, 32, 4)), (256, (64, 32, 4)), (384, (32, 32, 8)), (512, (32, 32, 8))),

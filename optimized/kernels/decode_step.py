@@ -29,9 +29,7 @@ from .decode_step_sparse import _gate_kernel, _sparse_split_kernel
 from .top_n import list_width
 
 BLOCK_N = 64  # key-tile rows of the compressed split (16 in the interpreter, so tiny tests span several tiles)
-# pipeline stages of the compressed split: 3 measured 11.2 us against 14.8 for 2 at 64k x 1 and the same 66.9 us at
-# 64k x 16 (perf.decode_cmp_probe, H100, 2026-11-25; no launch shape there beat ~66 us at 64k x 16)
-CMP_STAGES = 3
+CMP_STAGES = 3  # pipeline stages of the compressed split (the fastest perf.decode_cmp_probe measured; perf/NOTES.md)
 SCORE_BLOCK = 64  # selection blocks per score program
 SCORE_WARPS = 2  # warps of a score program
 RANK_BLOCK = 64  # selection blocks a select program ranks at once (a chunk of score_into_list)

@@ -14,10 +14,9 @@
 3. select kernel: one program (one warp: its reductions stay within the warp) per (row, KV group) and share of the
    blocks ranks their scores with Eq. 11 (optimized/kernels/top_n.py, score_into_list) into the program's list of
    its n best blocks. The sparse kernel merges the lists.
-Scoring and ranking were one kernel of one-warp programs (255 registers, most for Eq. 11's [64, 80] int64 rank
-comparisons), whose scoring loads were latency-bound: 30.1 us at 64k x 16 for 17 MB of logits. As two launches,
-the score kernel at 2 warps and 32 registers and the select kernel's bitonic top-k take 8.8 + 3.8 us (H100, same
-call; perf/NOTES.md, "Lean decode step").
+Scoring and ranking are two launches rather than one kernel of one-warp programs: there Eq. 11's [64, 80] int64
+rank comparisons took most of the 255 registers and the scoring loads were latency-bound; the score kernel runs at
+2 warps and 32 registers (perf/NOTES.md, "Lean decode step", has the measurements).
 """
 
 from __future__ import annotations

@@ -12,17 +12,15 @@ back), dP = dO V^T, dS = P * (dP - delta), and
   fp32 inputs (COMPENSATED): the exact fp32 dots are sequential FMA chains, and `acc += dot(a, b)` would fuse the
   accumulator into one chain over every (query, head) term of a key (a compressed key is read by every later
   query of all the group's heads); each step's dot is added with Kahan compensation instead (as the selected
-  kernel's dk/dv), which the first H100 run showed is needed (dk/dv error ratios up to 4.5 without it).
-  And D is made consistent with the kernel's own P and dP (CONSISTENT_D, as the selected kernel's dq does):
-  FlashAttention-2's D = rowsum(dO * O) differs from sum_s P_s dP_s by the rounding of O and of P, so a row's
-  dS does not sum to 0 and every key of the row inherits a shared bias, which a shift-invariant parameter (phi's
-  b2, added to every compressed key) sums up: the second H100 run measured d(phi_k.b2) error ratios of 1.1-1.3
-  at fp32. The dq kernel accumulates sum P, sum P (dP - D0) and sum P k in its pass, corrects dq to
-  D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. Every dtype: half precision kept D0
-  at first, until the H100 run of 2026-11-25 (reports/parity) measured d(phi_k.b1) / d(phi_k.b2) error ratios of
-  1.63 (fp16) and 1.76 (bf16) on the strict_cmp_visibility preset (O stored in half precision carries a ~2^-9
-  relative rounding into D0). In half precision sum P k is a bf16 tensor-core dot (P rounded: its error enters
-  dq multiplied by the small D - D0); as an exact fp32 dot on CUDA cores it doubled the 64k backward (H100).
+  kernel's dk/dv), without which dk/dv miss the error-ratio rule.
+  And D is made consistent with the kernel's own P and dP (CONSISTENT_D, as the selected kernel's dq does), in
+  every dtype: FlashAttention-2's D = rowsum(dO * O) differs from sum_s P_s dP_s by the rounding of O and of P (O
+  stored in half precision carries a ~2^-9 relative rounding into D0), so a row's dS does not sum to 0 and every
+  key of the row inherits a shared bias, which a shift-invariant parameter (phi's b1 and b2, added to every
+  compressed key) sums up past the error-ratio rule. The dq kernel accumulates sum P, sum P (dP - D0) and sum P k
+  in its pass, corrects dq to D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. In half
+  precision sum P k is a bf16 tensor-core dot (P rounded: its error enters dq multiplied by the small D - D0); an
+  exact fp32 dot on CUDA cores would be much slower. perf/NOTES.md has the measurements behind these choices.
 """
 
 from __future__ import annotations

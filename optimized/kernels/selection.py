@@ -182,7 +182,7 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor 
 
 @triton.jit
 def _select_top_n_kernel(
-    P, LO, HI, CURRENT, OUT,
+    P, LO, HI, CURRENT, INDICES,
     stride_pb, stride_pt, stride_pg,
     stride_ob, stride_ot, stride_og,
     n_rows, width, n_blocks, n_init, n_local, group,
@@ -239,7 +239,7 @@ def _select_top_n_kernel(
     keep = chosen & exists & real
     rank = tl.cumsum(keep.to(tl.int32), axis=1) - 1
     count = tl.sum(keep.to(tl.int32), axis=1)
-    out_row = OUT + b * stride_ob + t.to(tl.int64)[:, None] * stride_ot + g * stride_og
+    out_row = INDICES + b * stride_ob + t.to(tl.int64)[:, None] * stride_ot + g * stride_og
     tl.store(out_row + rank, blocks.to(tl.int64), mask=keep)
     slots = tl.arange(0, N_SEL_PAD)[None, :]
     tl.store(out_row + slots, tl.full([ROWS, N_SEL_PAD], -1, tl.int64),
