@@ -29,7 +29,7 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=needs
 
 
 def torch_expression(gates, o_cmp, o_slc, o_win, dtype):
-    """What _nsa_forward_rows_on_kernels computed before the kernel: Eq. 5 on widened copies, rounded once."""
+    """What the kernel path (forward._kernel_path) computed before the kernel: Eq. 5 on widened copies, rounded once."""
     cd = compute_dtype(dtype)
     return gated_sum(gates.to(cd), o_cmp.to(cd), o_slc.to(cd), o_win.to(cd)).to(dtype)
 

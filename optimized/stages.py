@@ -18,7 +18,7 @@ from . import masks
 from .compressed import compressed_attention_rows
 from .compression import compress
 from .dispatch import route
-from .documents import check_packed_compressed, documents, stage_documents
+from .documents import Documents, check_packed_compressed, documents, stage_documents
 from .forward import check_indices, selected_branch
 from .scoring import select_blocks_rows, selection_indices_rows, selection_scores_rows
 from .window import window_attention_rows
@@ -59,12 +59,8 @@ def selection_scores(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, chunk_size: in
     range_backend: "auto", "torch" (vectorized) or "triton" (Eq. 8 + 10 in the group-scores kernel)."""
     _check_scoring_inputs(q, k_cmp, cfg)
     where = route(q, k_cmp, k_cmp, range_backend=range_backend)
-    T = q.shape[1]
-    positions = torch.arange(T, device=q.device)
-    docs = stage_documents(cu_seqlens, cfg, q)
-    if docs is not None:
-        check_packed_compressed("k_cmp", k_cmp, docs)
-    n_sel_blocks = masks.sel_block_count(T, cfg) if docs is None else docs.n_sel_blocks
+    positions = torch.arange(q.shape[1], device=q.device)
+    docs, n_sel_blocks = _scoring_layout(q, k_cmp, cfg, q.shape[1], cu_seqlens)
     if where.ranges:
         from .kernels.selection import selection_scores_rows as on_kernels
 
@@ -104,15 +100,12 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     kernel, the same indices as the torch code on the same scores)."""
     _check_scoring_inputs(q, k_cmp, cfg)
     where = route(q, k_cmp, k_cmp, range_backend=range_backend)
-    B, TQ = q.shape[:2]
+    TQ = q.shape[1]
     if positions is None:
         positions = torch.arange(TQ, device=q.device)
     if n_keys is None:
         n_keys = int(positions.max()) + 1 if TQ else 0
-    docs = None if cu_seqlens is None else documents(cu_seqlens, n_keys, B, cfg, q.device)
-    if docs is not None:
-        check_packed_compressed("k_cmp", k_cmp, docs)
-    n_sel_blocks = masks.sel_block_count(n_keys, cfg) if docs is None else docs.n_sel_blocks
+    docs, n_sel_blocks = _scoring_layout(q, k_cmp, cfg, n_keys, cu_seqlens)
     if where.ranges:
         from .kernels.selection import selection_indices_rows as on_kernels
 
@@ -172,6 +165,17 @@ def check_branch_inputs(stage: str, q: Tensor, k: Tensor, v: Tensor, cfg: NSACon
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{stage}: {name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}")
+
+
+def _scoring_layout(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, n_keys: int,
+                    cu_seqlens: Tensor | None) -> tuple[Documents | None, int]:
+    """The layout of a packed batch of n_keys keys (None without cu_seqlens; k_cmp must then hold its documents'
+    compressed tokens) and NB, the selection-score columns of a row."""
+    docs = None if cu_seqlens is None else documents(cu_seqlens, n_keys, q.shape[0], cfg, q.device)
+    if docs is None:
+        return None, masks.sel_block_count(n_keys, cfg)
+    check_packed_compressed("k_cmp", k_cmp, docs)
+    return docs, docs.n_sel_blocks
 
 
 def _check_scoring_inputs(q: Tensor, k_cmp: Tensor, cfg: NSAConfig) -> None:

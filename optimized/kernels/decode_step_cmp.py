@@ -30,7 +30,7 @@ from .top_n import EMPTY, score_into_list
 
 
 @triton.jit
-def _compressed_split_kernel(
+def compressed_split_kernel(
     Q, K, V, LENGTHS, N_NEW, LOGITS, O_PART, M_PART, L_PART, R_PART,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -107,7 +107,7 @@ def _eq9_term(logits, j, ok, lse2, n_visible, OFFSET: tl.constexpr, CMP_BLOCK: t
 
 
 @triton.jit
-def _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+def chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   SCORE_BLOCK: tl.constexpr, EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, CMP_BLOCK: tl.constexpr,
                   CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr, LOGIT_SCORES: tl.constexpr):
     """Eq. 8-10 for selection blocks j of one (row, KV group) [SCORE_BLOCK], summed over the group's heads in head
@@ -127,7 +127,7 @@ def _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, 
 
 
 @triton.jit
-def _score_kernel(
+def score_kernel(
     LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, SCORES,
     n_slots, n_cmp_split, n_blocks,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -146,7 +146,7 @@ def _score_kernel(
         n_visible = tl.minimum(visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, STRICT), n_slots)  # Eq. 7
         j = first + tl.arange(0, SCORE_BLOCK)
         ok = j <= J
-        total = _chunk_scores(LOGITS + row * GROUP * n_slots, j, ok, lse2, n_visible, n_slots, GROUP, BLOCK_H,
+        total = chunk_scores(LOGITS + row * GROUP * n_slots, j, ok, lse2, n_visible, n_slots, GROUP, BLOCK_H,
                               SCORE_BLOCK, EQ9_FIRST, EQ9_BAND, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
         if MEAN:
             total = total / GROUP
@@ -154,7 +154,7 @@ def _score_kernel(
 
 
 @triton.jit
-def _select_kernel(
+def select_kernel(
     LENGTHS, N_NEW, SCORES, LISTS, n_blocks, blocks_per_list, n_lists,
     HKV: tl.constexpr, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
     N_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr,
