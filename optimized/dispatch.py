@@ -7,8 +7,8 @@ the backend again.
 Two keywords choose the backend, each "auto" (the default), "torch" or "triton":
 - range_backend: the compressed and window branches (range attention), the selection (Eq. 8-11) and Eq. 5;
 - backend: the selected branch (Eq. 12).
-"auto" runs the Triton kernels for CUDA tensors of fp32, bf16 or fp16 when Triton imports, and the vectorized torch
-path everywhere else (CPU tensors, float64). A shape the kernels cannot take (more than MAX_KERNEL_GROUP query heads
+"auto" runs the Triton kernels for CUDA tensors of fp32, bf16 or fp16 when Triton imports (else a warning says
+so, once), and the vectorized torch path everywhere else (CPU tensors, float64). A shape the kernels cannot take (more than MAX_KERNEL_GROUP query heads
 per KV group for Eq. 12, head dims above MAX_KERNEL_HEAD_DIM) runs on the torch path under "auto", with a warning
 naming the shape (once per shape). "triton" forces the kernels (CPU tensors only under TRITON_INTERPRET=1, Triton's
 interpreter, set before the kernels are imported) and "torch" the torch path; both are for tests and comparisons.
@@ -32,7 +32,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kerne
 MAX_KERNEL_GROUP = 64  # query heads per KV group of the selected-attention kernel's [h, d_k] tile
 MAX_KERNEL_HEAD_DIM = 256  # largest d_k / d_v of every kernel (other head dims are padded to a power of two)
 
-_warned_shapes: set[tuple] = set()
+_warned: set[tuple] = set()  # what dispatch has warned about (once each)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,14 +73,16 @@ def check_kernels_run_on(name: str, device: torch.device) -> None:
                          f"are imported (Triton's interpreter)")
 
 
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"optimized NSA: {message}", stacklevel=5)
+
+
 def _torch_only(what: str, shape: dict[str, int], limit: str) -> bool:
     """Warn once per shape that `what` runs on the torch path; returns False (the kernels do not run)."""
-    key = (what, tuple(shape.items()))
-    if key not in _warned_shapes:
-        _warned_shapes.add(key)
-        named = ", ".join(f"{k}={v}" for k, v in shape.items())
-        warnings.warn(f"optimized NSA: {what} runs on the torch path for {named}: the kernels take {limit}",
-                      stacklevel=4)
+    named = ", ".join(f"{k}={v}" for k, v in shape.items())
+    _warn_once((what, tuple(shape.items())), f"{what} runs on the torch path for {named}: the kernels take {limit}")
     return False
 
 
@@ -112,6 +114,9 @@ def decide(device: torch.device, dtype: torch.dtype, group: int, head_dim_qk: in
     check_backend("range_backend", range_backend)
     dims = {"head_dim_qk": head_dim_qk, "head_dim_v": head_dim_v}
     kernels = auto_picks_kernels(device, dtype)
+    if not kernels and device.type == "cuda" and dtype in KERNEL_DTYPES and "auto" in (backend, range_backend):
+        _warn_once(("no triton",), "Triton does not import, so CUDA tensors run on the torch path (the kernels need "
+                                   "the triton package)")
     dims_fit = max(head_dim_qk, head_dim_v) <= MAX_KERNEL_HEAD_DIM
     limit = f"head dims up to {MAX_KERNEL_HEAD_DIM}"
 

@@ -60,7 +60,7 @@ def test_supported_shapes_run_on_the_kernels_without_a_warning(group: int, dk: i
 
 
 def test_a_shape_past_the_kernels_warns_once_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dispatch, "_warned_shapes", set())
+    monkeypatch.setattr(dispatch, "_warned", set())
     with pytest.warns(UserWarning, match="group_size=128, head_dim_qk=64, head_dim_v=64") as caught:
         where = dispatch.decide(CUDA, torch.bfloat16, 128, 64, 64)
         dispatch.decide(CUDA, torch.bfloat16, 128, 64, 64)
@@ -69,6 +69,15 @@ def test_a_shape_past_the_kernels_warns_once_naming_it(monkeypatch: pytest.Monke
     with pytest.warns(UserWarning, match="head_dim_qk=320, head_dim_v=128"):
         where = dispatch.decide(CUDA, torch.bfloat16, 8, 320, 128)
     assert not where.ranges and not where.selected
+
+
+def test_cuda_without_triton_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_triton_imports", lambda: False)
+    with pytest.warns(UserWarning, match="Triton does not import") as caught:
+        where = dispatch.decide(CUDA, torch.bfloat16, 16, 128, 128)
+        dispatch.decide(CUDA, torch.bfloat16, 8, 64, 64)
+    assert len(caught) == 1 and not where.ranges and not where.selected
 
 
 # Nothing between the user and the decision overrides "auto" -----------------------------------------------------
