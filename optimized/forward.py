@@ -9,6 +9,13 @@ the stages top to bottom:
   kernel); Eq. 7 stays in torch.
 The selected branch (Eq. 12) has its own switch (`backend`), so both paths run it through selected_branch, its one
 dispatch point. The files a prefill call on the kernel path crosses are listed, in order, in optimized/__init__.py.
+
+Convention seams (optimized.masks): the torch path asks every one at call time. The kernel path asks
+compressed_block_count, sel_block_count, compressed_block_visible and window_start (as each query's key range),
+eq9_pool_weights and current_sel_block, and Eq. 7 runs the torch seams of optimized.compression; it computes the
+others itself from the config's switches (window_key_visible, cmp_importance, fixed_order_sum, group_reduce,
+forced_blocks, top_n_blocks, ranked_blocks, selected_token_visible), so replacing one of those changes the torch
+path only. (Decode: docs/decode.md.)
 """
 
 from __future__ import annotations
