@@ -11,7 +11,7 @@ from reference.contract import PhiMLPWeights, PhiWeights
 
 from . import masks
 from .documents import Documents, documents
-from .masked_attention import compute_dtype
+from .dispatch import compute_dtype
 
 
 def block_windows(x: Tensor, cfg: NSAConfig) -> Tensor:
@@ -53,7 +53,9 @@ def _check_kv(k: Tensor, v: Tensor) -> None:
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
-def _check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None:
+def check_phi(cfg: NSAConfig, phi: PhiWeights | None, dk: int, dv: int) -> None:
+    """phi weights are given when cfg.phi = "mlp" and have the shapes of l, d_k and d_v (ValueError naming the
+    tensor and the rule)."""
     if cfg.phi != "mlp":
         return
     if phi is None:
@@ -81,16 +83,19 @@ def compress(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None
     return k_cmp.to(k.dtype), v_cmp.to(v.dtype)
 
 
-def compress_unrounded(k: Tensor, v: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
-                       docs: Documents | None = None) -> tuple[Tensor, Tensor]:
-    """compress, left in the compute dtype (masked_attention.compute_dtype) for nsa_forward's attention.
+def compress_unrounded(k: Tensor, v: Tensor | None, cfg: NSAConfig, phi: PhiWeights | None = None, *,
+                       docs: Documents | None = None) -> tuple[Tensor, Tensor | None]:
+    """compress, left in the compute dtype (dispatch.compute_dtype) for nsa_forward's attention.
+    v=None: the keys only (v_cmp is None), for a call that selects blocks but leaves the compressed branch out.
     docs: the layout of a packed batch (documents.documents), None for independent rows."""
-    _check_kv(k, v)
-    _check_phi(cfg, phi, k.shape[-1], v.shape[-1])
+    _check_kv(k, k if v is None else v)
+    check_phi(cfg, phi, k.shape[-1], cfg.head_dim_v if v is None else v.shape[-1])
     if docs is None:
-        k_blocks, v_blocks = block_windows(k, cfg), block_windows(v, cfg)
+        k_blocks = block_windows(k, cfg)
+        v_blocks = None if v is None else block_windows(v, cfg)
     else:
-        k_blocks, v_blocks = packed_block_windows(k, docs, cfg), packed_block_windows(v, docs, cfg)
+        k_blocks = packed_block_windows(k, docs, cfg)
+        v_blocks = None if v is None else packed_block_windows(v, docs, cfg)
     if cfg.phi == "avg":
-        return phi_avg(k_blocks), phi_avg(v_blocks)
-    return phi_mlp(k_blocks, phi.k), phi_mlp(v_blocks, phi.v)
+        return phi_avg(k_blocks), None if v is None else phi_avg(v_blocks)
+    return phi_mlp(k_blocks, phi.k), None if v is None else phi_mlp(v_blocks, phi.v)

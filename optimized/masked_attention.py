@@ -6,43 +6,28 @@ from the saved row max and row sum, like FlashAttention's log-sum-exp), so no br
 T x N) tensor and autograd keeps only q, k, v and two numbers per (query, head). A query with no valid key gets
 exactly 0 and zero gradients (no NaN).
 
-Precision: arithmetic runs in the next wider float than the inputs (compute_dtype) and the output stays in it;
-callers round once, at the end, so gradients also flow back in it. Results are then the inputs' exact function
+Precision: arithmetic runs in the next wider float than the inputs (dispatch.compute_dtype) and the output stays in
+it; callers round once, at the end, so gradients also flow back in it. Results are then the inputs' exact function
 rounded once (within the wider type's error), which is what lets this path meet FlashAttention's error-ratio rule
 against the loop reference even on tiny tensors, where a 1-ulp summation-order difference would otherwise count.
 
-A key plan says which keys each query chunk reads:
-- `SharedKeys`: a contiguous key range [start, stop) read by the whole chunk, valid [C, K] per query and key;
-- `GatheredKeys`: token indices per (batch, query, KV head), tokens/valid [B, C, Hkv, K].
+A KeyPlan says which keys each query chunk reads, as one of:
+- `SharedKeys`: a contiguous key range [start, stop) read by the whole chunk, valid [C, K] per query and key (the
+  compressed and window branches);
+- `GatheredKeys`: token indices per (batch, query, KV head), tokens/valid [B, C, Hkv, K] (the selected branch).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-# Elements of one chunk's largest temporary (logits, or gathered keys+values); bounds peak memory per chunk.
-CHUNK_ELEMENTS = 1 << 26
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype arithmetic runs in: float32 for half/bfloat16 inputs, float64 for float32 and float64 inputs."""
-    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def query_chunks(n_queries: int, chunk_size: int) -> list[tuple[int, int]]:
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of query positions, got {chunk_size}")
-    return [(s, min(s + chunk_size, n_queries)) for s in range(0, n_queries, chunk_size)]
-
-
-def auto_chunk_size(n_queries: int, elements_per_query: int) -> int:
-    """The most query positions whose per-query temporaries stay within CHUNK_ELEMENTS."""
-    return max(1, min(max(n_queries, 1), CHUNK_ELEMENTS // max(1, elements_per_query)))
+from .dispatch import compute_dtype
+from .numerics import query_chunks
 
 
 @dataclass
@@ -63,10 +48,17 @@ class GatheredKeys:
     valid: Tensor
 
 
-class KeyPlan(Protocol):
-    def chunks(self) -> list[tuple[int, int]]: ...
+@dataclass(frozen=True)
+class KeyPlan:
+    """Which keys each query chunk reads: n_queries rows in chunks of chunk_size, keys(q0, q1) the key set of rows
+    q0..q1-1 (each branch of the torch path gives its own keys function)."""
 
-    def keys(self, q0: int, q1: int) -> SharedKeys | GatheredKeys: ...
+    n_queries: int
+    chunk_size: int
+    keys: Callable[[int, int], SharedKeys | GatheredKeys]
+
+    def chunks(self) -> list[tuple[int, int]]:
+        return query_chunks(self.n_queries, self.chunk_size)
 
 
 def masked_attention(plan: KeyPlan, q: Tensor, k: Tensor, v: Tensor, *,

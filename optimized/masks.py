@@ -48,6 +48,12 @@ def window_key_visible(key: Tensor, pos: Tensor, cfg: NSAConfig) -> Tensor:
 
 
 # Eq. 12: selection blocks ------------------------------------------------------------------------------------
+def sel_block_count(n_keys: int, cfg: NSAConfig) -> int:
+    """Selection blocks that hold at least one of keys 0..n_keys-1: ceil(n_keys / l') (block j holds keys
+    j*l' .. (j+1)*l' - 1)."""
+    return -(-n_keys // cfg.sel_block)
+
+
 def current_sel_block(pos: Tensor, cfg: NSAConfig) -> Tensor:
     """J = p // l': the selection block holding query p (blocks 0..J exist for p; block J is partial)."""
     return torch.div(pos, cfg.sel_block, rounding_mode="floor")

@@ -2,7 +2,7 @@
 
 At 64k x 16 the kernel streams 134 MB of compressed keys/values and writes 17 MB of logits, the largest part of the
 step (docs/decode.md, "Measured"). This probe times
-optimized/kernels/decode_step_cmp._compressed_split_kernel on synthetic inputs of the paper layout (64 query heads in
+optimized/kernels/decode_step_cmp.compressed_split_kernel on synthetic inputs of the paper layout (64 query heads in
 4 KV groups, d = 128, l = 32, d = 16, bf16) with the lean step's launch (64-key tiles, 4 warps, 2 stages, the
 policy's splits) and with other key-tile rows, warps, pipeline stages and split counts, each with its achieved
 bandwidth (keys/values read + logits written). The logits of every variant must equal the lean launch's bitwise
@@ -23,8 +23,8 @@ import triton
 
 from optimized.kernels.decode_splits import Partials
 from optimized.kernels.decode_step import BLOCK_N, CMP_STAGES, STEP_WARPS, equal_shares
-from optimized.kernels.decode_step_cmp import _compressed_split_kernel
-from optimized.kernels.selected_attention_fwd import LOG2E
+from optimized.kernels.decode_step_cmp import compressed_split_kernel
+from optimized.numerics import LOG2E
 
 from .outputs import DECODE_OUT, write_probe_report
 
@@ -54,7 +54,7 @@ def launcher(x: dict, splits: int, block_n: int, warps: int, stages: int):
     scale = 1.0 / math.sqrt(D)
 
     def run():
-        _compressed_split_kernel[(rows, splits)](
+        compressed_split_kernel[(rows, splits)](
             q, k, v, x["lengths"], x["n_new"], logits, parts.o, parts.m, parts.l, parts.reads,
             q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             n_slots, keys_per_split, splits, scale * LOG2E, scale,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from optimized import masks, scoring
+from optimized import masks
 from optimized.decode import NSADecodeCache
 from optimized.decode.graph import DecodeGraph
 from optimized.decode.lean import step_rules
@@ -107,7 +107,7 @@ def step_time(cache: NSADecodeCache, inputs: tuple, splits: StepSplits | None, s
     args = (q, gates, (new.cmp.k, new.cmp.v, new.slc.k, new.slc.v, new.win.k, new.win.v), cache.device_lengths,
             n_new, (cache.compressed.k, cache.compressed.v), (cache.cmp_raw.k, cache.cmp_raw.v),
             (cache.history.k, cache.history.v), (cache.window.k, cache.window.v), step_rules(cfg),
-            masks.compressed_block_count(bound, cfg), scoring.sel_block_count(bound, cfg))
+            masks.compressed_block_count(bound, cfg), masks.sel_block_count(bound, cfg))
     lengths = cache.device_lengths.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         bound = horizon
         default = default_step_splits(inputs[0], (cache.history.k, cache.history.v), (cache.window.k, cache.window.v),
                                       step_rules(cache.cfg), masks.compressed_block_count(bound, cache.cfg),
-                                      scoring.sel_block_count(bound, cache.cfg))
+                                      masks.sel_block_count(bound, cache.cfg))
         kernels = kernel_times(cache, inputs, args.steps, flush)
         variants = {"default " + str(tuple(default)): step_time(cache, inputs, None, args.steps, flush)}
         for text in filter(None, args.variants.split(",")):

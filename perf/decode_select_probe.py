@@ -1,7 +1,7 @@
 """Where the lean decode step's selection (Eq. 8-11) spends its time (a GPU diagnostic).
 
-The lean step scores the selection blocks in one launch (optimized/kernels/decode_step_cmp._score_kernel, Eq. 8-10
-into an fp32 [rows, blocks] buffer) and ranks them in another (_select_kernel, Eq. 11 lists). Before, one
+The lean step scores the selection blocks in one launch (optimized/kernels/decode_step_cmp.score_kernel, Eq. 8-10
+into an fp32 [rows, blocks] buffer) and ranks them in another (select_kernel, Eq. 11 lists). Before, one
 one-warp kernel did both; perf.decode_profile measured it at 25-30 us at 64k x 16, latency-bound. This probe times
 on synthetic inputs of the paper layout (16 heads per KV group, l = 32, d = 16, l' = 64, n = 16):
 
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from optimized.kernels import decode_step
-from optimized.kernels.decode_step_cmp import _chunk_scores, _score_kernel, _select_kernel
+from optimized.kernels.decode_step_cmp import chunk_scores, score_kernel, select_kernel
 from optimized.kernels.decode_tiles import merge_stats, step_position, visible_cmp_count
 from optimized.kernels.top_n import EMPTY, rank_key, top_n_by_rank
 
@@ -61,7 +61,7 @@ def _one_launch_kernel(
     for start in range(first, stop, SCORE_BLOCK):
         j = start + tl.arange(0, SCORE_BLOCK)
         ok = j < stop
-        total = _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP, GROUP, SCORE_BLOCK, EQ9_FIRST,
+        total = chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP, GROUP, SCORE_BLOCK, EQ9_FIRST,
                               EQ9_BAND, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, False)
         best = top_n_by_rank(tl.where(ok, rank_key(total, j, J, N_INIT, N_LOCAL), EMPTY), best, N_SEL, N_PAD)
     tl.store(LISTS + (row * n_lists + tl.program_id(1)) * N_PAD + tl.arange(0, N_PAD), best)
@@ -115,7 +115,7 @@ def launcher(x: dict, lists: int, splits: int, variant: str):
         return run, out
 
     def score():
-        _score_kernel[(x["rows"], -(-n_blocks // score_block))](
+        score_kernel[(x["rows"], -(-n_blocks // score_block))](
             *stats, scores, x["n_slots"], splits, n_blocks,
             HKV=HKV, GROUP=GROUP, BLOCK_H=16, CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, SEL_BLOCK=SEL_BLOCK,
             STRICT=False, LOGIT_SCORES=False, MEAN=False, EQ9_FIRST=EQ9_FIRST, EQ9_BAND=EQ9_BAND,
@@ -123,7 +123,7 @@ def launcher(x: dict, lists: int, splits: int, variant: str):
             enable_fp_fusion=False)
 
     def select():
-        _select_kernel[(x["rows"], lists)](
+        select_kernel[(x["rows"], lists)](
             x["lengths"], x["n_new"], scores, out, n_blocks, blocks_per_list, lists,
             HKV=HKV, SEL_BLOCK=SEL_BLOCK, N_INIT=N_INIT, N_LOCAL=N_LOCAL, N_SEL=N_SEL, N_PAD=16,
             RANK_BLOCK=rank_block, num_warps=select_warps, num_stages=1)

@@ -81,8 +81,8 @@ def resources(compiled) -> dict[str, int]:
 
 def lean_cases() -> list[Case]:
     from optimized.kernels import decode_step
-    from optimized.kernels.decode_step_cmp import _score_kernel, _select_kernel
-    from optimized.kernels.decode_step_sparse import _gate_kernel
+    from optimized.kernels.decode_step_cmp import score_kernel, select_kernel
+    from optimized.kernels.decode_step_sparse import gate_kernel
 
     gate_pointers = {name: "*fp32" for name in ("O_PART", "M_PART", "L_PART", "O_CPART", "M_CPART", "L_CPART")}
     gate_pointers.update({name: "*i32" for name in ("R_PART", "R_CPART")})
@@ -93,17 +93,17 @@ def lean_cases() -> list[Case]:
     select_pointers = {"LENGTHS": "*i64", "N_NEW": "*i64", "SCORES": "*fp32", "LISTS": "*i64"}
     cases = []
     for cmp_splits, splits in ((4, 4), (16, 8), (32, 8)):  # 64k x 16; 64k x 1; 128k x 1 (next powers of two)
-        cases.append(Case(f"gate, {cmp_splits} compressed / {splits} sparse splits", _gate_kernel, gate_pointers,
+        cases.append(Case(f"gate, {cmp_splits} compressed / {splits} sparse splits", gate_kernel, gate_pointers,
                           dict(HKV=4, GROUP=16, DV=128, BLOCK_H=16, BLOCK_DV=128, TILE_DV=decode_step.GATE_TILE_DV,
                                CMP_SPLITS=cmp_splits, SPLITS=splits, MERGE_CHUNK=decode_step.MERGE_CHUNK),
                           decode_step.STEP_WARPS))
     for cmp_splits in (4, 16, 32):
-        cases.append(Case(f"score, {cmp_splits} compressed splits", _score_kernel, score_pointers,
+        cases.append(Case(f"score, {cmp_splits} compressed splits", score_kernel, score_pointers,
                           dict(HKV=4, GROUP=16, BLOCK_H=16, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, STRICT=False,
                                LOGIT_SCORES=False, MEAN=False, EQ9_FIRST=-1, EQ9_BAND=5,
                                SCORE_BLOCK=decode_step.SCORE_BLOCK, CMP_SPLITS=cmp_splits),
                           decode_step.SCORE_WARPS))
-    cases.append(Case("select (Eq. 11 lists)", _select_kernel, select_pointers,
+    cases.append(Case("select (Eq. 11 lists)", select_kernel, select_pointers,
                       dict(HKV=4, SEL_BLOCK=64, N_INIT=1, N_LOCAL=2, N_SEL=16, N_PAD=16,
                            RANK_BLOCK=decode_step.RANK_BLOCK), decode_step.SELECT_WARPS))
     return cases
@@ -111,12 +111,12 @@ def lean_cases() -> list[Case]:
 
 def prefill_cases() -> list[Case]:
     """The range-kernel path's launches at the paper layout (16 heads per KV group, d_k = d_v = 128, bf16) with the
-    tiles optimized/kernels/tiling.py picks: the group-scores kernel, the range forward, dq (consistent D) and
+    tiles optimized/kernels/common.py picks: the group-scores kernel, the range forward, dq (consistent D) and
     dk/dv. dk/dv's 32 x 128 tiles spill 8 B and measured fastest (perf/NOTES.md), so 8 B are allowed."""
-    from optimized.kernels.group_scores import _group_scores_kernel
+    from optimized.kernels.common import range_tiling
+    from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
-    from optimized.kernels.range_attention_fwd import _range_attention_fwd_kernel
-    from optimized.kernels.tiling import range_tiling
+    from optimized.kernels.selection import _group_scores_kernel
 
     import torch
 

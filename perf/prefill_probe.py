@@ -3,10 +3,10 @@
 
 What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, median), paper layout (64 q heads in
 4 KV groups, d_k = d_v = 128, l = 32, d = 16, l' = 64, n = 16, w = 512), bf16, batch 1:
-- `scores`: optimized/kernels/group_scores (Eq. 8 + 10) over the last --score-rows query rows (the widest ranges)
+- `scores`: the group-scores kernel of optimized/kernels/selection.py (Eq. 8 + 10) over the last --score-rows query rows (the widest ranges)
   per tiling, with its TFLOP/s on the useful q.k_cmp dots (every head, every visible compressed token);
 - `selection`: the whole `selection_indices(range_backend="triton")` as nsa_forward calls it (the compressed
-  branch's lse2 given), with the scoring chunks' P budget (scoring.KERNEL_CHUNK_P_BYTES) set to each value; every
+  branch's lse2 given), with the scoring chunks' P budget (selection.KERNEL_CHUNK_P_BYTES) set to each value; every
   budget must give the same indices bitwise (the chunking does not change a row's arithmetic);
 - `range`: range_attention_forward (o and lse2) over the compressed branch's ranges and over the window's, per
   tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|;
@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 import triton
 
-from optimized import masks, scoring
-from optimized.kernels.group_scores import group_scores
-from optimized.kernels.range_attention import check_range_inputs
+from optimized import masks
+from optimized.kernels import selection
+from optimized.kernels.common import RangeTiling, padded, range_tiling
+from optimized.kernels.range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges,
+                                               range_attention_forward, window_ranges)
 from optimized.kernels.range_attention_bwd import range_attention_backward
-from optimized.kernels.range_attention_fwd import range_attention_forward
-from optimized.kernels.tiling import RangeTiling, padded, range_tiling
-from optimized.ranges import CompressedSoftmax, compressed_ranges, window_ranges
+from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
 
 from .outputs import PERF_OUT, write_probe_report
@@ -104,7 +104,9 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
 def probe_selection(x: dict, rep_ms: int) -> list[dict]:
     q, k_cmp = x["q"], x["k_cmp"]
     soft = CompressedSoftmax(*x["cmp"], x["cmp_lse2"])
-    saved_budget, kernel_chunks = scoring.KERNEL_CHUNK_P_BYTES, scoring._kernel_chunks
+    saved_budget, kernel_chunks = selection.KERNEL_CHUNK_P_BYTES, selection.kernel_chunks
+    positions = torch.arange(q.shape[1], device=q.device)
+    n_sel_blocks = masks.sel_block_count(q.shape[1], CFG)
     used: list[int] = []
 
     def counted_chunks(*args):  # the chunks selection_indices actually ran
@@ -113,13 +115,13 @@ def probe_selection(x: dict, rep_ms: int) -> list[dict]:
         return chunks
 
     def run():
-        return scoring.selection_indices(q, k_cmp, CFG, range_backend="triton", cmp_softmax=soft)
+        return selection.selection_indices_rows(q, k_cmp, CFG, positions, n_sel_blocks, cmp_softmax=soft)
 
     out, first = [], None
     try:
-        scoring._kernel_chunks = counted_chunks
+        selection.kernel_chunks = counted_chunks
         for mib in BUDGETS_MIB:
-            scoring.KERNEL_CHUNK_P_BYTES = mib * 2**20
+            selection.KERNEL_CHUNK_P_BYTES = mib * 2**20
             used.clear()
             indices = run()
             first = indices if first is None else first
@@ -127,7 +129,7 @@ def probe_selection(x: dict, rep_ms: int) -> list[dict]:
                         "chunks": used[0], "ms": _bench(run, rep_ms),
                         "same_indices": bool(torch.equal(indices, first))})
     finally:
-        scoring.KERNEL_CHUNK_P_BYTES, scoring._kernel_chunks = saved_budget, kernel_chunks
+        selection.KERNEL_CHUNK_P_BYTES, selection.kernel_chunks = saved_budget, kernel_chunks
     return out
 
 

@@ -383,28 +383,31 @@ def test_lean_step_ties_like_top_n_blocks():
     lean_run(cfg, x, [40, 33], STEPS[:4])
 
 
-@pytest.mark.parametrize("seam", sorted(PLANTED) + ["pool_eq9"])
-def test_lean_step_does_not_run_with_a_replaced_seam(seam, monkeypatch):
-    """A replaced seam (even one computing the same thing) sends steps to the seam-by-seam path, so the planted
-    conventions of test_replaced_seam_changes_decode_like_prefill reach decode on the kernel backend too."""
-    from optimized import scoring
-    from optimized.decode import lean
-
+@pytest.mark.parametrize("seam", sorted(PLANTED))
+def test_kernel_backend_honours_the_documented_seams(seam, monkeypatch):
+    """docs/decode.md: on the kernel backend a replaced seam reaches the seam-by-seam path (lean_step=False, and
+    every chunk) as it reaches the prefill, except masks.selected_token_visible, whose clip the selected-decode
+    kernel computes itself; the lean step computes every rule itself, so it keeps the original conventions, and
+    refuses an Eq. 9 band other than the overlap band its kernels compute."""
     cfg = SMALL.replace(window=3)
-    x = make_inputs(cfg, 44, seed=7, dtype=torch.float32)
-    assert NSADecodeCache(cfg, 1, 44, phi=x.phi, backend="triton").uses_lean_step()
-    if seam == "pool_eq9":
-        original = scoring.pool_eq9
-        monkeypatch.setattr(scoring, "pool_eq9", lambda *args: original(*args))
+    x = make_inputs(cfg, 44, seed=11, dtype=torch.float32)  # a seed where every planted seam changes rows 41..43
+    original = {k: v[:, 41:] for k, v in as_dict(O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)).items()}
+    monkeypatch.setattr(masks, seam, PLANTED[seam])
+    planted = {k: v[:, 41:] for k, v in as_dict(O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)).items()}
+    assert max_abs_error(planted["o"], original["o"]) > 1e-3, "the planted seam must change these rows"
+
+    def steps(lean_step: bool) -> dict[str, torch.Tensor]:
+        cache = NSADecodeCache(cfg, 1, 44, phi=x.phi, backend="triton", lean_step=lean_step)  # after the seam:
+        assert cache.uses_lean_step() == lean_step  # the window ring's capacity asks it
+        cache.fill(tokens(x.kv, 0, 41))
+        return concat([cache.step(x.q[:, t:t + 1], tokens(x.kv, t, t + 1), x.gates[:, t:t + 1]) for t in (41, 42, 43)])
+
+    assert_same(steps(False), original if seam == "selected_token_visible" else planted)
+    if seam == "eq9_pool_weights":
+        with pytest.raises(RuntimeError, match="eq9_pool_weights"):
+            steps(True)
     else:
-        monkeypatch.setattr(masks, seam, PLANTED[seam])
-    cache = NSADecodeCache(cfg, 1, 44, phi=x.phi, backend="triton")  # after the seam: the window ring asks it
-    assert not cache.uses_lean_step()
-    monkeypatch.setattr(lean, "lean_step", None)  # the lean step must not be reached
-    want = as_dict(O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi))
-    cache.fill(tokens(x.kv, 0, 41))
-    got = concat([cache.step(x.q[:, t:t + 1], tokens(x.kv, t, t + 1), x.gates[:, t:t + 1]) for t in (41, 42, 43)])
-    assert_same(got, {k: v[:, 41:] for k, v in want.items()})
+        assert_same(steps(True), original)
 
 
 def test_lean_step_applies_to_kernel_steps_only():
@@ -415,6 +418,7 @@ def test_lean_step_applies_to_kernel_steps_only():
     assert not NSADecodeCache(cfg, 1, 8, backend="torch").uses_lean_step()
     assert not NSADecodeCache(cfg, 1, 8, backend="auto").uses_lean_step()  # CPU: auto is the torch path
     assert not NSADecodeCache(cfg, 1, 8, backend="triton").uses_lean_step(n_queries=3)
+    assert not NSADecodeCache(cfg, 1, 8, backend="triton", lean_step=False).uses_lean_step()
 
 
 # Validation ---------------------------------------------------------------------------------------------------

@@ -21,11 +21,10 @@ import torch
 
 import optimized as O
 from conformance.helpers import error_ratio, make_inputs
-from optimized import masks
 from optimized.decode import NSADecodeCache
 from optimized.decode.graph import DecodeGraph
 from optimized.kernels.masked_decode import masked_decode_attention
-from optimized.kernels.selected_attention_naive import selected_attention_naive
+from optimized.kernels.naive import selected_attention_naive
 from optimized.kernels.selected_decode import selected_decode_attention
 from reference.config import NSAConfig
 from reference.contract import KV, BranchKV
@@ -151,26 +150,25 @@ def row_tokens(x, starts: list[int], counts: list[int]):
     return take(x.q), BranchKV(*(KV(take(b.k), take(b.v)) for b in (x.kv.cmp, x.kv.slc, x.kv.win))), take(x.gates)
 
 
-def test_lean_graph_paper_layout_equals_prefill_and_seam_path(monkeypatch):
+def test_lean_graph_paper_layout_equals_prefill_and_seam_path():
     """Two rows of 2552 and 1852 tokens (more selection blocks than n = 16), 48 steps replayed by a DecodeGraph
     (the lean step; one step in d emits a compressed token), row 1 with a padding query every fifth step. Each real
     step: bf16 decode vs float64 prefill <= 2 x bf16 prefill vs float64 prefill (all with the decode's blocks, the
     prompt's from the free-running bf16 prefill); the decode selects the free-running bf16 prefill's blocks for
-    >= 99% of (query, group) rows; an eager cache on the seam-by-seam kernel path (a seam replaced by a wrapper
-    that computes the same) gives the same compressed and window reads, the same selected reads where the
+    >= 99% of (query, group) rows; an eager cache on the seam-by-seam kernel path (lean_step=False) gives the same
+    compressed and window reads, the same selected reads where the
     selections agree, and >= 99% of the selections."""
     T, steps = 2600, 48
     x16 = make_inputs(PAPER, T, B=2, seed=11, dtype=torch.float64, device="cuda", phi_hidden=128).to(
         dtype=torch.bfloat16)
     prompt = [T - steps, T - steps - 700]
-    lean, seams = (NSADecodeCache(PAPER, 2, T, dtype=torch.bfloat16, device="cuda", phi=x16.phi) for _ in range(2))
+    lean, seams = (NSADecodeCache(PAPER, 2, T, dtype=torch.bfloat16, device="cuda", phi=x16.phi, lean_step=lean_step)
+                   for lean_step in (True, False))
     prompt_kv = BranchKV(*(KV(b.k[:, :prompt[0]], b.v[:, :prompt[0]]) for b in (x16.kv.cmp, x16.kv.slc, x16.kv.win)))
     for cache in (lean, seams):
         cache.fill(prompt_kv, prompt)
     assert lean.uses_lean_step()
-    graph = DecodeGraph(lean, T)  # captures the lean step; replays run it whatever the seams are later
-    original = masks.top_n_blocks
-    monkeypatch.setattr(masks, "top_n_blocks", lambda *args: original(*args))  # same rule, not the lean kernels'
+    graph = DecodeGraph(lean, T)  # captures the lean step
     assert not seams.uses_lean_step()
     used, decoded, rows, agree = list(prompt), [{}, {}], 0, 0
     for i in range(steps):
@@ -192,7 +190,6 @@ def test_lean_graph_paper_layout_equals_prefill_and_seam_path(monkeypatch):
         used = [u + n for u, n in zip(used, counts)]
     assert agree >= 0.99 * rows, f"lean and seam-by-seam selections agree on {agree}/{rows} rows"
     assert lean.lengths.tolist() == used and lean.device_lengths.tolist() == used
-    monkeypatch.setattr(masks, "top_n_blocks", original)
     phi64 = x16.phi.to(dtype=torch.float64)
     for b in range(2):
         sl = slice(0, used[b])

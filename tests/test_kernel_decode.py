@@ -1,7 +1,7 @@
 """Triton decode kernels (optimized/kernels/selected_decode.py, masked_decode.py) vs independent torch oracles, in
 the interpreter on tiny fp32 shapes (the GPU share is tests/test_decode_gpu.py).
 
-Oracles: the selected branch against optimized.kernels.selected_attention_naive (one query row at a time, its own
+Oracles: the selected branch against optimized.kernels.naive.selected_attention_naive (one query row at a time, its own
 position); the masked kernel against a dense softmax over an explicit score matrix. Reads are checked against
 counts made here from the index rules. Outputs are poisoned with NaN first (torch.empty), so a missed write fails.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from optimized.kernels.masked_decode import masked_decode_attention
-from optimized.kernels.selected_attention_naive import selected_attention_naive
+from optimized.kernels.naive import selected_attention_naive
 from optimized.kernels.selected_decode import selected_decode_attention
 
 TOL = 1e-5

@@ -1,7 +1,7 @@
 """perf/kernel_survey.py: the lean decode step's gate, score and select kernels and the prefill range kernels' launches
 compile for sm_90 without spilling beyond what was measured acceptable (no GPU needed: Triton's own ptxas and
-cuobjdump). The gate kernel of commit 09f9728 spilled 5-8 KB per thread at 16-32 compressed splits and measured
-40-56 us at batch 1 on an H100; this keeps that from coming back unseen."""
+cuobjdump). An earlier gate kernel spilled kilobytes per thread at 16-32 compressed splits and ran several times
+slower (perf/NOTES.md, "Lean decode step"); this keeps that from coming back unseen."""
 
 import os
 import subprocess

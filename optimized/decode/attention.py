@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..masked_attention import compute_dtype
+from ..dispatch import compute_dtype
 
 
 def group_queries(q: Tensor, n_kv_heads: int) -> Tensor:

@@ -3,7 +3,9 @@ padding query: it sees no key, gets 0 and reads nothing).
 
 Every convention goes through the seams of optimized.masks (looked up on the module at call time, so a replaced
 seam changes decode exactly as it changes prefill): compressed-block visibility, the window's keys, Eq. 8
-importance, Eq. 9 weights (scoring.pool_eq9), Eq. 10 reduction, Eq. 11 top-n, Eq. 12 clipping.
+importance, Eq. 9 weights (scoring.pool_eq9), Eq. 10 reduction, Eq. 11 top-n, Eq. 12 clipping. On the kernel path
+(use_kernel) the masks are still built from the seams (the masked-decode kernel applies them as given), except
+Eq. 12's clip, which the selected-decode kernel computes itself (token <= p).
 
 Reads are counted from the masks and index sets the attention used: per (row, query, KV group), the compressed
 entries, selected token slots and window entries that entered the softmax.
@@ -20,7 +22,7 @@ from reference.config import NSAConfig
 from reference.contract import KV
 
 from .. import masks, scoring
-from . import attention, kernels
+from . import attention
 from .buffers import TokenBuffer
 
 
@@ -44,7 +46,9 @@ def compressed_branch(q: Tensor, store: TokenBuffer, visible: Tensor, use_kernel
     N = visible.shape[-1]
     keys = store.usable(N)
     if use_kernel:
-        o, logits, reads = kernels.masked_decode(q, keys.k, keys.v, visible, want_logits=True)
+        from ..kernels.masked_decode import masked_decode_attention
+
+        o, logits, reads = masked_decode_attention(q, keys.k, keys.v, visible, want_logits=True)
         return BranchResult(o, reads), logits
     q5 = attention.group_queries(q, keys.k.shape[1])
     logits = attention.shared_logits(q5, keys.k)
@@ -56,7 +60,7 @@ def compressed_branch(q: Tensor, store: TokenBuffer, visible: Tensor, use_kernel
 # Selection (Eq. 8-11) ------------------------------------------------------------------------------------------
 def select(logits: Tensor, visible: Tensor, positions: Tensor, n_sel_blocks: int, cfg: NSAConfig) -> Tensor:
     """Eq. 8-11 from the compressed logits [B, Hkv, TQ, G, N]: indices [B, TQ, Hkv, n], ascending, -1 padded.
-    The same seams, in the same order, as scoring._chunk_scores of the prefill."""
+    The same seams, in the same order, as scoring.scores_of_chunk of the prefill."""
     p_cmp = masks.cmp_importance(logits, visible[:, None, :, None, :], cfg)  # Eq. 8
     p_slc = scoring.pool_eq9(p_cmp, n_sel_blocks, cfg)  # Eq. 9, per query head
     scores = masks.group_reduce(p_slc, cfg).transpose(1, 2)  # Eq. 10 -> [B, TQ, Hkv, NB]
@@ -70,8 +74,10 @@ def select(logits: Tensor, visible: Tensor, positions: Tensor, n_sel_blocks: int
 def selected_branch(q: Tensor, history: TokenBuffer, indices: Tensor, positions: Tensor, cfg: NSAConfig,
                     use_kernel: bool) -> BranchResult:
     """Attention over the tokens of the selected blocks, clipped by the Eq. 12 seam (block J is partial)."""
-    if use_kernel:
-        return BranchResult(*kernels.selected_decode(q, history.k, history.v, indices, positions, cfg.sel_block))
+    if use_kernel:  # the kernel clips to token <= p itself (masks.selected_token_visible is the torch path's)
+        from ..kernels.selected_decode import selected_decode_attention
+
+        return BranchResult(*selected_decode_attention(q, history.k, history.v, indices, positions, cfg.sel_block))
     q5 = attention.group_queries(q, history.k.shape[1])
     B, H, TQ = q5.shape[:3]
     offsets = torch.arange(cfg.sel_block, device=indices.device)
@@ -92,7 +98,9 @@ def window_branch(q: Tensor, keys: KV, admitted: Tensor, use_kernel: bool) -> Br
     """Attention over the window keys (k [B, Hkv, K, dk]) each query admits (admitted [B, TQ, K], from the window
     seam in plan.plan_call)."""
     if use_kernel:
-        o, _, reads = kernels.masked_decode(q, keys.k, keys.v, admitted, want_logits=False)
+        from ..kernels.masked_decode import masked_decode_attention
+
+        o, _, reads = masked_decode_attention(q, keys.k, keys.v, admitted, want_logits=False)
         return BranchResult(o, reads)
     q5 = attention.group_queries(q, keys.k.shape[1])
     logits = attention.shared_logits(q5, keys.k)

@@ -21,11 +21,11 @@ from torch import Tensor
 from reference.config import NSAConfig
 from reference.contract import BranchKV, NSAOutput, PhiWeights, Reads, check_inputs
 
-from .. import compression, masks, scoring
+from .. import compression, dispatch, masks
+from ..dispatch import KERNEL_DTYPES, check_backend, check_kernels_run_on
 from ..forward import gated_sum, nsa_forward
-from ..masked_attention import CHUNK_ELEMENTS
-from ..selected import BACKENDS
-from . import branches, kernels, lean
+from ..numerics import CHUNK_ELEMENTS
+from . import branches, lean
 from .buffers import TokenBuffer, ring_slot_positions
 from .emission import complete_blocks, new_compressed_blocks
 from .plan import plan_call
@@ -45,9 +45,12 @@ class NSADecodeCache:
     prefill(q, kv, gates, lengths) runs the optimized prefill on a prompt and fills the cache; step(...) appends
     one token per row; extend(...) appends a chunk of TQ tokens per row (its queries are the last TQ positions).
     Every call returns the contract's NSAOutput for its queries, with reads [B, TQ, Hkv] counted from the entries
-    each branch gathered. backend: "torch" (any device), "triton" (the decode kernels; CPU needs
-    TRITON_INTERPRET=1) or "auto" (kernels on CUDA). Steps on the kernel path run the lean step (six Triton
-    launches, optimized/decode/lean.py) while every convention seam is the original. compile_stages=True runs the
+    each branch gathered. backend: "auto" (the kernels on CUDA, optimized.dispatch), "torch" (any device) or
+    "triton" (the kernels; CPU needs TRITON_INTERPRET=1), for the prefill (both of nsa_forward's backend
+    keywords) as for the decode calls. Steps on the
+    kernel path run the lean step (six Triton launches, optimized/decode/lean.py) unless lean_step=False, which
+    keeps them on the seam-by-seam kernel path of every other call (for comparisons). Which convention seams each
+    path honours: docs/decode.md. compile_stages=True runs the
     torch stages of a call (planning, the Eq. 8-11 seams, the gates; the lean step's Eq. 7 emission) through
     torch.compile (one compilation per shape; eager calls then scan up to the next power of two of the longest row,
     so shapes change rarely).
@@ -55,7 +58,7 @@ class NSADecodeCache:
 
     def __init__(self, cfg: NSAConfig, batch_size: int, capacity: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", phi: PhiWeights | None = None, backend: str = "auto",
-                 compile_stages: bool = False):
+                 compile_stages: bool = False, lean_step: bool = True):
         if not isinstance(cfg, NSAConfig):
             raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
@@ -63,14 +66,14 @@ class NSADecodeCache:
                 raise ValueError(f"NSADecodeCache.{name} must be a positive int, got {value!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"NSADecodeCache.dtype must be a floating dtype, got {dtype}")
-        if backend not in BACKENDS:
-            raise ValueError(f"NSADecodeCache.backend must be one of {BACKENDS}, got {backend!r}")
-        compression._check_phi(cfg, phi, cfg.head_dim_qk, cfg.head_dim_v)
+        check_backend("NSADecodeCache.backend", backend)
+        compression.check_phi(cfg, phi, cfg.head_dim_qk, cfg.head_dim_v)
         self.cfg, self.batch_size, self.capacity = cfg, batch_size, capacity
         self.dtype, self.device, self.backend = dtype, _resolved_device(device), backend
+        self.lean_step = lean_step
         self.phi = phi.to(dtype=dtype, device=self.device) if phi is not None else None
         if backend == "triton":
-            kernels.check_available(self.device)
+            check_kernels_run_on("NSADecodeCache.backend", self.device)
         shape = dict(dtype=dtype, device=self.device)
         B, H, dk, dv = batch_size, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
         self.history = TokenBuffer.empty(B, H, capacity, dk, dv, **shape)  # selection branch
@@ -100,16 +103,15 @@ class NSADecodeCache:
 
     @property
     def use_kernels(self) -> bool:
-        """"triton", or "auto" on CUDA for the dtypes the decode kernels compute in (kernels.KERNEL_DTYPES), as
-        in the prefill dispatch."""
+        """"triton", or "auto" where optimized.dispatch picks the kernels (CUDA, a kernel dtype), as the prefill."""
         if self.backend == "triton":
             return True
-        return self.backend == "auto" and self.device.type == "cuda" and self.dtype in kernels.KERNEL_DTYPES
+        return self.backend == "auto" and dispatch.auto_picks_kernels(self.device, self.dtype)
 
     def uses_lean_step(self, n_queries: int = 1) -> bool:
-        """Whether a call with n_queries new tokens per row runs the lean step (optimized/decode/lean.py): steps on
-        the kernel path in a kernel dtype while every convention seam is the original."""
-        return lean.lean_step_applies(self.use_kernels, self.dtype, n_queries)
+        """Whether a call with n_queries new tokens per row runs the lean step (optimized/decode/lean.py): steps
+        (n_queries = 1) on the kernel path in a kernel dtype, unless the cache was built with lean_step=False."""
+        return self.lean_step and n_queries == 1 and self.use_kernels and self.dtype in KERNEL_DTYPES
 
     # Filling from a prompt -----------------------------------------------------------------------------------
     def fill(self, kv: BranchKV, lengths: RowCounts = None) -> None:
@@ -152,7 +154,8 @@ class NSADecodeCache:
             raise ValueError(f"prompt length {T} exceeds NSADecodeCache.capacity = {self.capacity}")
         if int(self._lengths.max()) > 0:
             raise ValueError("NSADecodeCache.fill/prefill need an empty cache (call reset() first)")
-        out = nsa_forward(q, kv, gates, self.cfg, self.phi, backend=self.backend, chunk_size=chunk_size)
+        out = nsa_forward(q, kv, gates, self.cfg, self.phi, backend=self.backend, range_backend=self.backend,
+                          chunk_size=chunk_size)
         self.fill(kv, counts)
         real = torch.arange(T)[None, :] < counts[:, None]
         return _zero_padding(out, real.to(self.device))
@@ -208,9 +211,8 @@ class NSADecodeCache:
         visible = branches.compressed_visible(plan.positions, plan.emitted, masks.compressed_block_count(bound, cfg),
                                               cfg)
         cmp, logits = branches.compressed_branch(q, self.compressed, visible, use_kernels)
-        indices = self._select(logits, visible, plan.positions, scoring.sel_block_count(bound, cfg), cfg)
-        slc = branches.selected_branch(q, self.history, indices, plan.positions, cfg,
-                                       use_kernels and kernels.selected_rule_is_kernel_rule())
+        indices = self._select(logits, visible, plan.positions, masks.sel_block_count(bound, cfg), cfg)
+        slc = branches.selected_branch(q, self.history, indices, plan.positions, cfg, use_kernels)
         window_keys = plan.window_chunk if plan.window_chunk is not None else self.window.usable()
         win = branches.window_branch(q, window_keys, plan.window_admitted, use_kernels)
         L.add_(n_new)

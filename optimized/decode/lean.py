@@ -1,47 +1,25 @@
 """The lean decode step (docs/decode.md, "Lean step"): a step (one token per row) on the kernel path in six Triton
 launches (optimized/kernels/decode_step.py) instead of the ~30 small kernels of NSADecodeCache.advance.
 
-The kernels compute every convention themselves, so they run only while each seam of optimized.masks that decode
-uses is still the module's original function (and scoring.pool_eq9 likewise): a replaced seam (what the
-conformance self-test does to plant a bug) sends the call to the seam-by-seam path, so it changes decode exactly
-as it changes prefill. The config's switches (window_keys, cmp_visibility, selection_score, group_reduce) are
-handed to the kernels; phi only matters to the Eq. 7 emission, which stays in torch.
+The kernels compute every convention themselves from the config's switches (window_keys, cmp_visibility,
+selection_score, group_reduce, l, d, l', n, n_init, n_local, w), so the lean step honours none of the convention
+seams of optimized.masks except masks.eq9_pool_weights, whose band it checks against the overlap band its kernels
+compute (a RuntimeError otherwise); phi only matters to the Eq. 7 emission, which stays in torch (and so honours
+the seams of optimized.compression). A replaced seam changes decode on the torch backend (docs/decode.md).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from reference.config import NSAConfig
 from reference.contract import BranchKV, NSAOutput, Reads
 
-from .. import masks, scoring
-from ..seams import SeamSnapshot
-from . import kernels
-
-# The seams whose original rules the lean kernels implement (ranked_blocks and fixed_order_sum are the helpers that
-# decide top_n_blocks's tie order and cmp_importance's sum; a replacement of either changes decode too).
-LEAN_SEAMS = ("compressed_block_visible", "window_start", "window_key_visible", "cmp_importance", "eq9_pool_weights",
-              "group_reduce", "current_sel_block", "top_n_blocks", "forced_blocks", "selected_token_visible",
-              "ranked_blocks", "fixed_order_sum")
-_KERNEL_RULES = (SeamSnapshot(masks, *LEAN_SEAMS), SeamSnapshot(scoring, "pool_eq9"))
-
-
-def seams_are_kernel_rules() -> bool:
-    """Every seam the lean kernels implement is still the original function."""
-    return all(snapshot.unchanged() for snapshot in _KERNEL_RULES)
-
-
-def lean_step_applies(use_kernels: bool, dtype: torch.dtype, n_queries: int) -> bool:
-    """The lean step runs for steps (one query per row) on the kernel path, in a kernel dtype, with the original
-    seams; everything else (chunks, float64, the torch backend, replaced seams) takes NSADecodeCache's
-    seam-by-seam path."""
-    return n_queries == 1 and use_kernels and dtype in kernels.KERNEL_DTYPES and seams_are_kernel_rules()
+from .. import masks
 
 
 def step_rules(cfg: NSAConfig):
-    """The kernels' StepRules for cfg (read while the seams are the originals)."""
+    """The kernels' StepRules for cfg."""
     from optimized.kernels.decode_step import StepRules
 
     band = masks.eq9_pool_weights(cfg)
@@ -69,6 +47,6 @@ def lean_step(cache, q: Tensor, kv: BranchKV, gates: Tensor, n_new: Tensor, boun
     out = lean_decode_step(q, gates, new, cache.device_lengths, n_new, (cache.compressed.k, cache.compressed.v),
                            (cache.cmp_raw.k, cache.cmp_raw.v), (cache.history.k, cache.history.v),
                            (cache.window.k, cache.window.v), step_rules(cfg), masks.compressed_block_count(bound, cfg),
-                           scoring.sel_block_count(bound, cfg))
+                           masks.sel_block_count(bound, cfg))
     return NSAOutput(o=out.o, indices=out.indices, o_cmp=out.o_cmp, o_slc=out.o_slc, o_win=out.o_win,
                      reads=Reads(cmp=out.reads_cmp, slc=out.reads_slc, win=out.reads_win))

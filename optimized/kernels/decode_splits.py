@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiling import interpreting
+from .common import interpreting
 
 PROGRAMS_PER_SM = 2  # aim for this many programs per streaming multiprocessor
 

@@ -20,18 +20,16 @@ import torch
 import triton
 from torch import Tensor
 
+from ..numerics import LOG2E
+from .common import MIN_DOT, interpreting, key_tile_rows, padded
 from .decode_append import append_step_tokens
 from .decode_splits import Partials, program_budget
-from .decode_step_cmp import _compressed_split_kernel, _score_kernel, _select_kernel
-from .decode_step_sparse import _gate_kernel, _sparse_split_kernel
-from .selected_attention_fwd import LOG2E
-from .tiling import MIN_DOT, interpreting, key_tile_rows, padded
+from .decode_step_cmp import compressed_split_kernel, score_kernel, select_kernel
+from .decode_step_sparse import gate_kernel, sparse_split_kernel
 from .top_n import list_width
 
 BLOCK_N = 64  # key-tile rows of the compressed split (16 in the interpreter, so tiny tests span several tiles)
-# pipeline stages of the compressed split: 3 measured 11.2 us against 14.8 for 2 at 64k x 1 and the same 66.9 us at
-# 64k x 16 (perf.decode_cmp_probe, H100, 2026-11-25; no launch shape there beat ~66 us at 64k x 16)
-CMP_STAGES = 3
+CMP_STAGES = 3  # pipeline stages of the compressed split (the fastest perf.decode_cmp_probe measured; perf/NOTES.md)
 SCORE_BLOCK = 64  # selection blocks per score program
 SCORE_WARPS = 2  # warps of a score program
 RANK_BLOCK = 64  # selection blocks a select program ranks at once (a chunk of score_into_list)
@@ -183,7 +181,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     cmp_parts = Partials.empty(rows, splits.cmp, block_h, block_dv, dev)
     logits = torch.empty((rows, group, n_cmp_slots), dtype=torch.float32, device=dev)
     k_cmp, v_cmp = compressed
-    _compressed_split_kernel[(rows, splits.cmp)](
+    compressed_split_kernel[(rows, splits.cmp)](
         q, k_cmp, v_cmp, lengths, n_new, logits, cmp_parts.o, cmp_parts.m, cmp_parts.l, cmp_parts.reads,
         q.stride(0), q.stride(2),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
@@ -196,7 +194,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
 
     # Eq. 8-10: every visible selection block's score
     scores = torch.empty((rows, n_sel_blocks), dtype=torch.float32, device=dev)
-    _score_kernel[(rows, -(-n_sel_blocks // SCORE_BLOCK))](
+    score_kernel[(rows, -(-n_sel_blocks // SCORE_BLOCK))](
         lengths, n_new, logits, cmp_parts.m, cmp_parts.l, cmp_parts.reads, scores,
         n_cmp_slots, splits.cmp, n_sel_blocks,
         HKV=Hkv, GROUP=group, BLOCK_H=block_h,
@@ -209,7 +207,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
 
     # Eq. 11: each select program's list of its n best blocks
     lists = torch.empty((rows, splits.lists, n_pad), dtype=torch.int64, device=dev)
-    _select_kernel[(rows, splits.lists)](
+    select_kernel[(rows, splits.lists)](
         lengths, n_new, scores, lists, n_sel_blocks, blocks_per_list, splits.lists,
         HKV=Hkv, SEL_BLOCK=rules.sel_block, N_INIT=rules.n_init, N_LOCAL=rules.n_local, N_SEL=rules.n_sel,
         N_PAD=n_pad, RANK_BLOCK=min(RANK_BLOCK, padded(blocks_per_list)), num_warps=SELECT_WARPS, num_stages=1,
@@ -218,7 +216,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     # selected and window splits
     sparse_parts = Partials.empty(rows, splits.slc + splits.win, block_h, block_dv, dev)
     (hk, hv), (wk, wv) = history, window
-    _sparse_split_kernel[(rows, splits.slc + splits.win)](
+    sparse_split_kernel[(rows, splits.slc + splits.win)](
         q, hk, hv, wk, wv, lengths, n_new, lists, out.indices, sparse_parts.o, sparse_parts.m, sparse_parts.l,
         sparse_parts.reads,
         q.stride(0), q.stride(2),
@@ -234,7 +232,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
 
     # o_cmp, o_slc, o_win from their splits, and Eq. 5
     tile_dv = min(GATE_TILE_DV, block_dv)
-    _gate_kernel[(rows, block_dv // tile_dv)](
+    gate_kernel[(rows, block_dv // tile_dv)](
         sparse_parts.o, sparse_parts.m, sparse_parts.l, sparse_parts.reads, cmp_parts.o, cmp_parts.m, cmp_parts.l,
         cmp_parts.reads, gates, n_new, out.o, out.o_cmp, out.o_slc, out.o_win, out.reads_cmp, out.reads_slc,
         out.reads_win,

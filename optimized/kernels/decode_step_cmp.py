@@ -14,10 +14,9 @@
 3. select kernel: one program (one warp: its reductions stay within the warp) per (row, KV group) and share of the
    blocks ranks their scores with Eq. 11 (optimized/kernels/top_n.py, score_into_list) into the program's list of
    its n best blocks. The sparse kernel merges the lists.
-Scoring and ranking were one kernel of one-warp programs (255 registers, most for Eq. 11's [64, 80] int64 rank
-comparisons), whose scoring loads were latency-bound: 30.1 us at 64k x 16 for 17 MB of logits. As two launches,
-the score kernel at 2 warps and 32 registers and the select kernel's bitonic top-k take 8.8 + 3.8 us (H100, same
-call; perf/NOTES.md, "Lean decode step").
+Scoring and ranking are two launches rather than one kernel of one-warp programs: there Eq. 11's [64, 80] int64
+rank comparisons took most of the 255 registers and the scoring loads were latency-bound; the score kernel runs at
+2 warps and 32 registers (perf/NOTES.md, "Lean decode step", has the measurements).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from .top_n import EMPTY, score_into_list
 
 
 @triton.jit
-def _compressed_split_kernel(
+def compressed_split_kernel(
     Q, K, V, LENGTHS, N_NEW, LOGITS, O_PART, M_PART, L_PART, R_PART,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -108,7 +107,7 @@ def _eq9_term(logits, j, ok, lse2, n_visible, OFFSET: tl.constexpr, CMP_BLOCK: t
 
 
 @triton.jit
-def _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+def chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   SCORE_BLOCK: tl.constexpr, EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, CMP_BLOCK: tl.constexpr,
                   CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr, LOGIT_SCORES: tl.constexpr):
     """Eq. 8-10 for selection blocks j of one (row, KV group) [SCORE_BLOCK], summed over the group's heads in head
@@ -128,7 +127,7 @@ def _chunk_scores(logits, j, ok, lse2, n_visible, n_slots, GROUP: tl.constexpr, 
 
 
 @triton.jit
-def _score_kernel(
+def score_kernel(
     LENGTHS, N_NEW, LOGITS, M_PART, L_PART, R_PART, SCORES,
     n_slots, n_cmp_split, n_blocks,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -147,7 +146,7 @@ def _score_kernel(
         n_visible = tl.minimum(visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, STRICT), n_slots)  # Eq. 7
         j = first + tl.arange(0, SCORE_BLOCK)
         ok = j <= J
-        total = _chunk_scores(LOGITS + row * GROUP * n_slots, j, ok, lse2, n_visible, n_slots, GROUP, BLOCK_H,
+        total = chunk_scores(LOGITS + row * GROUP * n_slots, j, ok, lse2, n_visible, n_slots, GROUP, BLOCK_H,
                               SCORE_BLOCK, EQ9_FIRST, EQ9_BAND, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, LOGIT_SCORES)
         if MEAN:
             total = total / GROUP
@@ -155,7 +154,7 @@ def _score_kernel(
 
 
 @triton.jit
-def _select_kernel(
+def select_kernel(
     LENGTHS, N_NEW, SCORES, LISTS, n_blocks, blocks_per_list, n_lists,
     HKV: tl.constexpr, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
     N_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr,

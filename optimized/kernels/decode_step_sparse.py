@@ -23,7 +23,7 @@ from .top_n import merged_blocks
 
 
 @triton.jit
-def _sparse_split_kernel(
+def sparse_split_kernel(
     Q, HIST_K, HIST_V, WIN_K, WIN_V, LENGTHS, N_NEW, LISTS, INDICES, O_PART, M_PART, L_PART, R_PART,
     stride_qb, stride_qh,
     stride_hkb, stride_hkh, stride_hvb, stride_hvh, stride_wkb, stride_wkh, stride_wvb, stride_wvh,
@@ -103,7 +103,7 @@ def _normalised(acc, l_i, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gate_kernel(
+def gate_kernel(
     O_PART, M_PART, L_PART, R_PART, O_CPART, M_CPART, L_CPART, R_CPART, GATES, N_NEW, O, O_CMP, O_SLC, O_WIN,
     READS_CMP, READS_SLC, READS_WIN,
     stride_ob, stride_oh, stride_gb, stride_gh, stride_gc,

@@ -1,18 +1,19 @@
 """Eq. 5 on the kernel path in one pass: o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win, each operand widened to
-the compute dtype (fp32 for half inputs, fp64 for fp32: masked_attention.compute_dtype), the three products and
-two sums rounded one by one in that dtype (no FMA: the launch disables fp fusion) and the result rounded once to
-the output dtype: bitwise what the torch expression
+the compute dtype (fp32 for half inputs, fp64 for fp32: dispatch.compute_dtype), the three products and two sums
+rounded one by one in that dtype (no FMA: the launch disables fp fusion) and the result rounded once to the output
+dtype: bitwise what the torch expression
 
     (g[..., 0:1].to(cd) * o_cmp.to(cd) + g[..., 1:2].to(cd) * o_slc.to(cd) + g[..., 2:3].to(cd) * o_win.to(cd)).to(dtype)
 
-gives, without its widened copies and temporaries (about 9x less memory traffic at half precision).
+gives, without its widened copies and temporaries (about 9x less memory traffic at half precision). A branch left
+out of the call (its output None: nsa_forward's `branches`) is left out of the sum: its gate is never read and
+gets a zero gradient.
 
-gated_sum_kernel is differentiable in the gates and the three branch outputs; its backward is one more pass
+gated_sum_kernel is differentiable in the gates and the branch outputs; its backward is one more pass
 (_gated_sum_bwd_kernel) with that expression's autograd arithmetic: d o_c = g_c * do in the compute dtype rounded
 to o_c's dtype (bitwise the expression's gradient), d g_c = the sum over d_v of do * o_c in the compute dtype
 rounded to the gates' dtype (the expression's gradient up to the order of that sum: a row reduction in the kernel,
-torch's reduction kernel there). In torch this backward widened do and each o_c to fp32 copies and reduced their
-products: at 64k tokens with 64 heads ~60 GB of traffic and ~20 ms on an H100 (perf.layer_profile, e8af9a0).
+torch's reduction kernel there), without the widened copies of do and each o_c a torch backward makes.
 """
 
 from __future__ import annotations
@@ -22,55 +23,72 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiling import MAX_HEAD_DIM, row_pass_shape, row_view
+from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
+from .common import row_pass_shape, row_view
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INPUT_DTYPES = FLOAT_DTYPES + (torch.float64,)  # the selected branch hands o_slc in the compute dtype
+INPUT_DTYPES = KERNEL_DTYPES + (torch.float64,)  # the selected branch hands o_slc in the compute dtype
 COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 
 @triton.jit
+def _gated_term(G, O, rows, cols, row_ok, mask, stride_g, stride_o, WIDE: tl.constexpr):
+    """g_c * o_c of one branch (G: its gate column) for the rows' tile, in the compute dtype."""
+    g = tl.load(G + rows * stride_g, mask=row_ok, other=0.0)
+    o = tl.load(O + rows[:, None] * stride_o + cols[None, :], mask=mask, other=0.0)
+    if WIDE:
+        g, o = g.to(tl.float64), o.to(tl.float64)
+    else:
+        g, o = g.to(tl.float32), o.to(tl.float32)
+    return g[:, None] * o
+
+
+@triton.jit
 def _gated_sum_kernel(
-    G, O_CMP, O_SLC, O_WIN, OUT,
-    stride_g, stride_gc, stride_cmp, stride_slc, stride_win, stride_out,
+    G, O_CMP, O_SLC, O_WIN, O,
+    stride_g, stride_gc, stride_cmp, stride_slc, stride_win, stride_o,
     n_rows, dv,
     WIDE: tl.constexpr, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_CMP: tl.constexpr, HAS_SLC: tl.constexpr, HAS_WIN: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_DV)
     row_ok = rows < n_rows
     mask = row_ok[:, None] & (cols[None, :] < dv)
-    g = G + rows * stride_g
-    g_cmp = tl.load(g, mask=row_ok, other=0.0)
-    g_slc = tl.load(g + stride_gc, mask=row_ok, other=0.0)
-    g_win = tl.load(g + 2 * stride_gc, mask=row_ok, other=0.0)
-    o_cmp = tl.load(O_CMP + rows[:, None] * stride_cmp + cols[None, :], mask=mask, other=0.0)
-    o_slc = tl.load(O_SLC + rows[:, None] * stride_slc + cols[None, :], mask=mask, other=0.0)
-    o_win = tl.load(O_WIN + rows[:, None] * stride_win + cols[None, :], mask=mask, other=0.0)
-    if WIDE:
-        g_cmp, g_slc, g_win = g_cmp.to(tl.float64), g_slc.to(tl.float64), g_win.to(tl.float64)
-        o_cmp, o_slc, o_win = o_cmp.to(tl.float64), o_slc.to(tl.float64), o_win.to(tl.float64)
-    else:
-        g_cmp, g_slc, g_win = g_cmp.to(tl.float32), g_slc.to(tl.float32), g_win.to(tl.float32)
-        o_cmp, o_slc, o_win = o_cmp.to(tl.float32), o_slc.to(tl.float32), o_win.to(tl.float32)
-    o = g_cmp[:, None] * o_cmp + g_slc[:, None] * o_slc  # Eq. 5, left to right as the torch expression
-    o = o + g_win[:, None] * o_win
-    tl.store(OUT + rows[:, None] * stride_out + cols[None, :], o.to(OUT.dtype.element_ty), mask=mask)
+    # Eq. 5, the terms of the branches present added left to right, as the torch expression
+    if HAS_CMP:
+        o = _gated_term(G, O_CMP, rows, cols, row_ok, mask, stride_g, stride_cmp, WIDE)
+    if HAS_SLC:
+        term = _gated_term(G + stride_gc, O_SLC, rows, cols, row_ok, mask, stride_g, stride_slc, WIDE)
+        if HAS_CMP:
+            o = o + term
+        else:
+            o = term
+    if HAS_WIN:
+        term = _gated_term(G + 2 * stride_gc, O_WIN, rows, cols, row_ok, mask, stride_g, stride_win, WIDE)
+        if HAS_CMP or HAS_SLC:
+            o = o + term
+        else:
+            o = term
+    tl.store(O + rows[:, None] * stride_o + cols[None, :], o.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _branch_grads(G, O, D_O, DG, rows, cols, row_ok, mask, do, stride_g, stride_o, stride_d_o, stride_dg,
-                  WIDE: tl.constexpr, GRAD_OUTS: tl.constexpr, GRAD_GATES: tl.constexpr):
-    """One branch c of Eq. 5's backward (G, DG: its gate column): d o_c = g_c * do, d g_c = sum_dv do * o_c."""
-    g = tl.load(G + rows * stride_g, mask=row_ok, other=0.0)
-    g = g.to(tl.float64) if WIDE else g.to(tl.float32)
-    if GRAD_OUTS:
-        tl.store(D_O + rows[:, None] * stride_d_o + cols[None, :], (do * g[:, None]).to(D_O.dtype.element_ty),
-                 mask=mask)
-    if GRAD_GATES:
-        o = tl.load(O + rows[:, None] * stride_o + cols[None, :], mask=mask, other=0.0)
-        o = o.to(tl.float64) if WIDE else o.to(tl.float32)
-        tl.store(DG + rows * stride_dg, tl.sum(do * o, 1).to(DG.dtype.element_ty), mask=row_ok)
+                  WIDE: tl.constexpr, GRAD_OUTS: tl.constexpr, GRAD_GATES: tl.constexpr, PRESENT: tl.constexpr):
+    """One branch c of Eq. 5's backward (G, DG: its gate column): d o_c = g_c * do, d g_c = sum_dv do * o_c; a
+    branch left out (not PRESENT) gets d g_c = 0."""
+    if PRESENT:
+        g = tl.load(G + rows * stride_g, mask=row_ok, other=0.0)
+        g = g.to(tl.float64) if WIDE else g.to(tl.float32)
+        if GRAD_OUTS:
+            tl.store(D_O + rows[:, None] * stride_d_o + cols[None, :], (do * g[:, None]).to(D_O.dtype.element_ty),
+                     mask=mask)
+        if GRAD_GATES:
+            o = tl.load(O + rows[:, None] * stride_o + cols[None, :], mask=mask, other=0.0)
+            o = o.to(tl.float64) if WIDE else o.to(tl.float32)
+            tl.store(DG + rows * stride_dg, tl.sum(do * o, 1).to(DG.dtype.element_ty), mask=row_ok)
+    elif GRAD_GATES:
+        tl.store(DG + rows * stride_dg, tl.zeros([rows.shape[0]], dtype=DG.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -80,7 +98,7 @@ def _gated_sum_bwd_kernel(
     stride_dg, stride_dgc,
     n_rows, dv,
     WIDE: tl.constexpr, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr, GRAD_OUTS: tl.constexpr,
-    GRAD_GATES: tl.constexpr,
+    GRAD_GATES: tl.constexpr, HAS_CMP: tl.constexpr, HAS_SLC: tl.constexpr, HAS_WIN: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_DV)
@@ -89,20 +107,23 @@ def _gated_sum_bwd_kernel(
     do = tl.load(DO + rows[:, None] * stride_do + cols[None, :], mask=mask, other=0.0)
     do = do.to(tl.float64) if WIDE else do.to(tl.float32)
     _branch_grads(G, O_CMP, D_CMP, DG, rows, cols, row_ok, mask, do, stride_g, stride_cmp, stride_dcmp, stride_dg,
-                  WIDE, GRAD_OUTS, GRAD_GATES)
+                  WIDE, GRAD_OUTS, GRAD_GATES, HAS_CMP)
     _branch_grads(G + stride_gc, O_SLC, D_SLC, DG + stride_dgc, rows, cols, row_ok, mask, do, stride_g, stride_slc,
-                  stride_dslc, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES)
+                  stride_dslc, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES, HAS_SLC)
     _branch_grads(G + 2 * stride_gc, O_WIN, D_WIN, DG + 2 * stride_dgc, rows, cols, row_ok, mask, do, stride_g,
-                  stride_win, stride_dwin, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES)
+                  stride_win, stride_dwin, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES, HAS_WIN)
 
 
-def gated_sum_forward(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, compute: torch.dtype,
-                      dtype: torch.dtype) -> Tensor:
-    """The Eq. 5 kernel (module docstring), not differentiable: o [..., d_v] in dtype."""
-    out = torch.empty(o_cmp.shape, dtype=dtype, device=o_cmp.device)
-    dv = o_cmp.shape[-1]
-    g, c, s, w, o = (row_view(x) for x in (gates, o_cmp, o_slc, o_win, out))
-    n_rows = c.shape[0]
+def gated_sum_forward(gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, o_win: Tensor | None,
+                      compute: torch.dtype, dtype: torch.dtype) -> Tensor:
+    """The Eq. 5 kernel (module docstring), not differentiable: o [..., d_v] in dtype; None: a branch left out."""
+    outs = (o_cmp, o_slc, o_win)
+    present = next(o for o in outs if o is not None)
+    out = torch.empty(present.shape, dtype=dtype, device=present.device)
+    dv = present.shape[-1]
+    g, o = row_view(gates), row_view(out)
+    c, s, w = (row_view(x) if x is not None else o for x in outs)  # a branch left out: any tensor, never read
+    n_rows = o.shape[0]
     if n_rows * dv == 0:
         return out
     block_dv, rows = row_pass_shape(dv)
@@ -110,25 +131,30 @@ def gated_sum_forward(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor
         g, c, s, w, o,
         g.stride(0), g.stride(1), c.stride(0), s.stride(0), w.stride(0), o.stride(0),
         n_rows, dv,
-        WIDE=compute == torch.float64, ROWS=rows, BLOCK_DV=block_dv, num_warps=4,
+        WIDE=compute == torch.float64, ROWS=rows, BLOCK_DV=block_dv,
+        HAS_CMP=o_cmp is not None, HAS_SLC=o_slc is not None, HAS_WIN=o_win is not None, num_warps=4,
         enable_fp_fusion=False,  # products and sums rounded one by one, as the torch expression's
     )
     return out
 
 
-def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, compute: torch.dtype,
-                       grad_outs: bool, grad_gates: bool) -> tuple[Tensor | None, ...]:
+def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, o_win: Tensor | None,
+                       compute: torch.dtype, grad_outs: bool, grad_gates: bool) -> tuple[Tensor | None, ...]:
     """Eq. 5's gradients (module docstring): (d gates [..., 3] in the gates' dtype, d o_cmp, d o_slc, d o_win in
-    each output's dtype); None for the ones not asked for."""
-    dv = o_cmp.shape[-1]
-    d_outs = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if grad_outs else None
-              for o in (o_cmp, o_slc, o_win)]
+    each output's dtype); None for the ones not asked for and the branches left out."""
+    outs = (o_cmp, o_slc, o_win)
+    dv = do.shape[-1]
+    d_outs = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if grad_outs and o is not None else None
+              for o in outs]
     d_gates = torch.empty(gates.shape, dtype=gates.dtype, device=gates.device) if grad_gates else None
-    g, d, c, s, w = (row_view(x) for x in (gates, do, o_cmp, o_slc, o_win))
-    dc, ds, dw = (row_view(x) if x is not None else c for x in d_outs)  # unused pointers: any tensor
+    g, d = row_view(gates), row_view(do)
+    c, s, w = (row_view(x) if x is not None else d for x in outs)  # unused pointers: any tensor
+    dc, ds, dw = (row_view(x) if x is not None else d for x in d_outs)
     dg = row_view(d_gates) if d_gates is not None else g
-    n_rows = c.shape[0]
+    n_rows = d.shape[0]
     if n_rows * dv == 0:
+        if d_gates is not None:
+            d_gates.zero_()
         return d_gates, *d_outs
     block_dv, rows = row_pass_shape(dv)
     _gated_sum_bwd_kernel[(triton.cdiv(n_rows, rows),)](
@@ -137,6 +163,7 @@ def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor, o_slc: Tensor, 
         dw.stride(0), dg.stride(0), dg.stride(1),
         n_rows, dv,
         WIDE=compute == torch.float64, ROWS=rows, BLOCK_DV=block_dv, GRAD_OUTS=grad_outs, GRAD_GATES=grad_gates,
+        HAS_CMP=o_cmp is not None, HAS_SLC=o_slc is not None, HAS_WIN=o_win is not None,
         num_warps=4, enable_fp_fusion=False,
     )
     return d_gates, *d_outs
@@ -146,8 +173,8 @@ class GatedSumFunction(torch.autograd.Function):
     """Eq. 5 on the kernel (forward) and its gradients on the backward kernel."""
 
     @staticmethod
-    def forward(ctx, gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, compute: torch.dtype,
-                dtype: torch.dtype):
+    def forward(ctx, gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, o_win: Tensor | None,
+                compute: torch.dtype, dtype: torch.dtype):
         ctx.save_for_backward(gates, o_cmp, o_slc, o_win)
         ctx.compute = compute
         return gated_sum_forward(gates, o_cmp, o_slc, o_win, compute, dtype)
@@ -162,25 +189,29 @@ class GatedSumFunction(torch.autograd.Function):
         return d_gates, *d_outs, None, None
 
 
-def gated_sum_kernel(gates: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, *, compute: torch.dtype,
-                     dtype: torch.dtype) -> Tensor:
+def gated_sum_kernel(gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, o_win: Tensor | None, *,
+                     compute: torch.dtype, dtype: torch.dtype) -> Tensor:
     """Eq. 5: gates [B, T, Hq, 3] in (cmp, slc, win) order, branch outputs [B, T, Hq, d_v] (each fp64/fp32/bf16/
-    fp16, any mix), summed in compute (fp32 or fp64) and rounded once to dtype (fp32/bf16/fp16); differentiable
-    (GatedSumFunction).
+    fp16, any mix; None for a branch left out of the sum, at least one given), summed in compute (fp32 or fp64) and
+    rounded once to dtype (fp32/bf16/fp16); differentiable (GatedSumFunction).
     Tensors on CUDA, or on CPU under TRITON_INTERPRET=1."""
     where = "gated_sum_kernel"
-    named = (("gates", gates), ("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win))
+    outs = {name: x for name, x in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)) if x is not None}
+    if not outs:
+        raise ValueError(f"{where}: at least one of o_cmp, o_slc, o_win must be given")
+    named = (("gates", gates), *outs.items())
     for name, x in named:
         if not isinstance(x, Tensor) or x.dim() != 4 or x.dtype not in INPUT_DTYPES:
             raise ValueError(f"{where}: {name} must be a 4-D fp64/fp32/bf16/fp16 tensor, got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    if o_slc.shape != o_cmp.shape or o_win.shape != o_cmp.shape or o_cmp.shape[-1] > MAX_HEAD_DIM:
+    shape = next(iter(outs.values())).shape
+    if any(x.shape != shape for x in outs.values()) or shape[-1] > MAX_KERNEL_HEAD_DIM:
         raise ValueError(f"{where}: o_cmp, o_slc, o_win must share one shape [B, T, Hq, d_v] with d_v <= "
-                         f"{MAX_HEAD_DIM}, got {tuple(o_cmp.shape)}, {tuple(o_slc.shape)}, {tuple(o_win.shape)}")
-    if tuple(gates.shape) != (*o_cmp.shape[:3], 3):
-        raise ValueError(f"{where}: gates must be [B, T, Hq, 3] = {[*o_cmp.shape[:3], 3]}, got {tuple(gates.shape)}")
-    if compute not in COMPUTE_DTYPES or dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{where}: compute must be one of {COMPUTE_DTYPES} and dtype one of {FLOAT_DTYPES}, got "
+                         f"{MAX_KERNEL_HEAD_DIM}, got {[tuple(x.shape) for x in outs.values()]}")
+    if tuple(gates.shape) != (*shape[:3], 3):
+        raise ValueError(f"{where}: gates must be [B, T, Hq, 3] = {[*shape[:3], 3]}, got {tuple(gates.shape)}")
+    if compute not in COMPUTE_DTYPES or dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{where}: compute must be one of {COMPUTE_DTYPES} and dtype one of {KERNEL_DTYPES}, got "
                          f"{compute}, {dtype}")
     if len({x.device for _, x in named}) != 1:
         raise ValueError(f"{where}: gates, o_cmp, o_slc, o_win must be on one device, got "

@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..numerics import LOG2E
+from .common import interpreting, padded
 from .decode_splits import Partials, combine, split_count
 from .decode_tiles import group_queries, qk_tile, softmax_update
-from .tiling import interpreting, padded
 
-LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile
 
 

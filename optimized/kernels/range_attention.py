@@ -1,25 +1,155 @@
-"""triton_range_attention: Eq. 2 where every query row reads one contiguous key range, on the Triton kernels,
-differentiable in q, k and v (the compressed and sliding-window branches; optimized/ranges.py builds the ranges).
+"""Range attention on the Triton kernels: Eq. 2 for query rows that each read ONE contiguous key range,
+differentiable in q, k and v.
 
-Forward: range_attention_fwd (FlashAttention-2 tiles, online softmax in fp32). Backward: range_attention_bwd
-(dq query-centric, dk/dv key-centric over the contiguous run of rows that can read each key tile; deterministic,
-no atomics).
+Both dense-ish NSA branches are of this kind (window_ranges and compressed_ranges below build the ranges from the
+convention seams):
+- the sliding window (Section 3.3.3): row p reads keys [max(doc start, p - w + 1), p];
+- the compressed branch (Eq. 7-8): row p reads the compressed tokens [first of its document, + N_visible(p) - 1].
+A row whose range is empty (hi < lo) outputs 0 and has lse = -inf (the empty compressed set of Eq. 7).
+
+Forward grid (query tile of BLOCK_M rows, query head, batch), FlashAttention-2 style: the program loads its q tile
+once, walks the key tiles covering the union of its rows' ranges (tile starts aligned to multiples of BLOCK_N, so a
+row's arithmetic does not depend on which rows share its program), masks each element by its row's range, and
+keeps an online softmax in fp32 (base 2). GQA: head h reads KV head h // GROUP.
+
+Outputs o [B, TQ, Hq, dv] (input dtype) and lse2 [B, TQ, Hq] fp32, the base-2 log-sum-exp of the scaled
+logits (s * scale * log2(e)); -inf for an empty row. With WITH_OUTPUT=False only lse2 is computed (no V loads,
+no P.V dot): the selection scoring needs the compressed branch's normaliser and nothing else.
+
+Backward: range_attention_bwd.py (dq query-centric, dk/dv key-centric over the contiguous run of rows that can
+read each key tile; deterministic, no atomics).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from .range_attention_bwd import range_attention_backward
-from .range_attention_fwd import range_attention_forward
-from .selected_attention_fwd import LN2
-from .tiling import MAX_HEAD_DIM, interpreting
+from reference.config import NSAConfig
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-RANGE_DTYPES = (torch.int32, torch.int64)
+from .. import masks
+from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
+from ..documents import Documents
+from ..numerics import LN2, LOG2E
+from .common import (INDEX_DTYPES, RangeTiling, dot_settings, interpreting, key_tile_span, launch_with_fallback, padded,
+                     range_tiling, smaller_range_tilings)
+from .range_attention_bwd import range_attention_backward
+
+
+@triton.jit
+def _range_attention_fwd_kernel(
+    Q, K, V, LO, HI, O, LSE2,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    n_queries, n_keys, scale_log2,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WITH_OUTPUT: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # 64-bit offsets everywhere (T >= 64k, Hq * d large).
+    pid_m = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    kvh = h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_mask = offs_m < n_queries
+    dk_mask = offs_dk < DK
+    dv_mask = offs_dv < DV
+
+    # ranges and key indices in int32 (keys < 2^31; masks stay cheap in registers), pointer offsets in int64
+    lo, hi, start, last = key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
+
+    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
+                mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    # The running max starts finite, so a tile where a row reads nothing gives alpha = 1 and p = 0 (no NaN).
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start_n in range(start, last + 1, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < n_keys
+        kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk[:, None],
+                     mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
+        else:
+            s = tl.dot(q, kT)
+        in_range = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
+        s = tl.where(in_range, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if WITH_OUTPUT:
+            v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vt + offs_dv[None, :],
+                        mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
+            acc = acc * alpha[:, None]
+            if DOT_FP32:  # P enters the dot rounded to the input dtype, as on the GPU (a no-op for fp32)
+                acc += tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=INPUT_PRECISION)
+            else:
+                acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
+    tl.store(LSE2 + b * stride_lb + offs_m * stride_lt + h, lse2, mask=row_mask)
+    if WITH_OUTPUT:
+        out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+        tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+                 out.to(O.dtype.element_ty), mask=row_mask[:, None] & dv_mask[None, :])
+
+
+def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor, scale: float, *,
+                            tiling: RangeTiling | None = None) -> tuple[Tensor | None, Tensor]:
+    """Launch the forward on validated inputs (range_attention.check_range_inputs): q [B, TQ, Hq, dk],
+    k [B, TK, Hkv, dk], v [B, TK, Hkv, dv] or None (lse only), lo/hi int32 [TQ] contiguous.
+    Returns (o [B, TQ, Hq, dv] in q's dtype or None, lse2 [B, TQ, Hq] fp32 base-2 log-sum-exp)."""
+    B, TQ, Hq, dk = q.shape
+    TK, Hkv = k.shape[1], k.shape[2]
+    with_output = v is not None
+    dv = v.shape[-1] if with_output else dk
+    o = torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype) if with_output else None
+    lse2 = torch.empty((B, TQ, Hq), device=q.device, dtype=torch.float32)
+    if B * TQ * Hq == 0:
+        return o, lse2
+    dot_fp32, precision = dot_settings(q.dtype)
+    vv, oo = (v, o) if with_output else (k, lse2)  # placeholders the kernel never touches without output
+
+    def launch(t: RangeTiling) -> None:
+        grid = (triton.cdiv(TQ, t.block_m), Hq, B)
+        _range_attention_fwd_kernel[grid](
+            q, k, vv, lo, hi, oo, lse2,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            vv.stride(0), vv.stride(1), vv.stride(2),
+            *((o.stride(0), o.stride(1), o.stride(2)) if with_output else (0, 0, 0)),
+            lse2.stride(0), lse2.stride(1),
+            TQ, TK, scale * LOG2E,
+            GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), WITH_OUTPUT=with_output, DOT_FP32=dot_fp32,
+            INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    first = tiling or range_tiling(padded(dk), padded(dv), q.dtype, "forward")
+    launch_with_fallback(launch, first, smaller_range_tilings(first))
+    return o, lse2
 
 
 class RangeAttentionFunction(torch.autograd.Function):
@@ -70,10 +200,13 @@ def range_attention_lse2(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor
     return RangeAttentionFunction.apply(q, k, v, lo, hi, float(scale))
 
 
-def range_logsumexp2(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float | None = None) -> Tensor:
+def range_logsumexp2(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float | None = None, *,
+                     checked: bool = False) -> Tensor:
     """lse2 [B, TQ, Hq] (base-2 log-sum-exp of the scaled logits, fp32, -inf for an empty row) over each row's key
-    range, without the P.V product (the selection scoring's Eq. 8 normaliser); not differentiable."""
-    lo, hi = check_range_inputs(q, k, None, lo, hi)
+    range, without the P.V product (the selection scoring's Eq. 8 normaliser); not differentiable.
+    checked: as in range_attention_lse2."""
+    if not checked:
+        lo, hi = check_range_inputs(q, k, None, lo, hi)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
@@ -98,13 +231,13 @@ def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: T
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"{where}: Hq ({Hq}) must be a multiple of Hkv ({Hkv}) (GQA)")
     dims = (dk,) + ((v.shape[-1],) if v is not None else ())
-    if max(dims) > MAX_HEAD_DIM:
-        raise ValueError(f"{where}: head dims {dims} must be <= {MAX_HEAD_DIM}")
-    if q.dtype not in FLOAT_DTYPES or any(x.dtype != q.dtype for _, x in named):
+    if max(dims) > MAX_KERNEL_HEAD_DIM:
+        raise ValueError(f"{where}: head dims {dims} must be <= {MAX_KERNEL_HEAD_DIM}")
+    if q.dtype not in KERNEL_DTYPES or any(x.dtype != q.dtype for _, x in named):
         raise ValueError(f"{where}: q, k, v must share one dtype among fp32/bf16/fp16, got "
                          f"{[str(x.dtype) for _, x in named]}")
     for name, r in (("lo", lo), ("hi", hi)):
-        if not isinstance(r, Tensor) or r.dtype not in RANGE_DTYPES or tuple(r.shape) != (TQ,):
+        if not isinstance(r, Tensor) or r.dtype not in INDEX_DTYPES or tuple(r.shape) != (TQ,):
             raise ValueError(f"{where}: {name} must be an int32/int64 tensor [TQ] = [{TQ}], got "
                              f"{getattr(r, 'dtype', type(r).__name__)} {tuple(getattr(r, 'shape', ()))}")
     devices = {x.device for _, x in named} | {lo.device, hi.device}
@@ -122,3 +255,94 @@ def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: T
             raise ValueError(f"{where}: the range of row {t}, [lo, hi] = [{int(lo64[t])}, {int(hi64[t])}], breaks "
                              f"the rules 0 <= lo <= TK = {TK}, -1 <= hi < TK, lo and hi non-decreasing in the row")
     return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+
+
+# The NSA branches on the kernel -------------------------------------------------------------------------------
+# Per-query key ranges of the branches that read one contiguous run of keys, built from the same convention seams
+# as the masks of the torch path (masks.window_start, masks.compressed_block_visible), so a convention switch, or a
+# planted bug in one of those seams, reaches both paths. Every range is [lo, hi] inclusive, int64 [TQ], empty when
+# hi = lo - 1, and non-decreasing in the row, packed documents included (a document's ranges start at or after the
+# previous document's).
+
+@dataclass(frozen=True)
+class CompressedSoftmax:
+    """The compressed branch's softmax as the range kernel computed it: each query's range of compressed tokens
+    [lo, hi] (int32 [TQ], validated) and the base-2 log-sum-exp lse2 [B, TQ, Hq] over it. The selection scoring
+    reuses both (Eq. 8), so nsa_forward builds and checks the ranges once."""
+
+    lo: Tensor
+    hi: Tensor
+    lse2: Tensor
+
+
+def window_ranges(positions: Tensor, cfg: NSAConfig, docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+    """Window keys of queries at (packed) positions [TQ]: [max(doc start, doc start + window_start(rel)), p],
+    rel = p - doc start (the window restarts at each document start; Section 3.3.3)."""
+    start = torch.zeros_like(positions) if docs is None else docs.token_start[positions]
+    rel = positions - start
+    lo = start + torch.clamp(masks.window_start(rel, cfg), min=0)
+    return lo, positions.clone()
+
+
+def visible_block_count(rel: Tensor, n_blocks: Tensor | int, cfg: NSAConfig) -> Tensor:
+    """How many of the blocks 0..n_blocks-1 are visible at relative position rel (Eq. 7), asked of
+    masks.compressed_block_visible by binary search: visibility is monotone in the block index (block i is
+    visible iff its last key i*d + l - 1 is early enough), so the visible blocks are 0..count-1."""
+    n = torch.as_tensor(n_blocks, device=rel.device, dtype=torch.int64).expand_as(rel)
+    low, high = torch.zeros_like(rel), n.clone()  # the count lies in [low, high]
+    bound = int(n.max()) if n.numel() else 0
+    for _ in range(bound.bit_length() + 1):
+        mid = (low + high + 1) // 2
+        visible = masks.compressed_block_visible(mid - 1, rel, cfg) & (mid >= 1)
+        searching = low < high
+        low = torch.where(searching & visible, mid, low)
+        high = torch.where(searching & ~visible, mid - 1, high)
+    return low
+
+
+def compressed_ranges(positions: Tensor, n_compressed: int, cfg: NSAConfig,
+                      docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+    """Compressed tokens read by queries at (packed) positions [TQ]: the first visible_block_count blocks of the
+    query's own document, [first, first + count - 1] in the (packed) compressed sequence of n_compressed tokens."""
+    if docs is None:
+        first = torch.zeros_like(positions)
+        rel, n_own = positions, n_compressed
+    else:
+        doc = docs.token_doc[positions]
+        first = docs.cmp_bounds[doc]
+        rel, n_own = docs.relative(positions), docs.cmp_bounds[doc + 1] - first
+    count = visible_block_count(rel, n_own, cfg)
+    return first, first + count - 1
+
+
+def range_reads(lo: Tensor, hi: Tensor, batch: int, n_kv_heads: int) -> Tensor:
+    """reads [B, TQ, Hkv]: the keys each (query, KV head) range covers, hi - lo + 1 (0 when empty), counted from
+    the ranges the kernel read."""
+    return torch.clamp(hi - lo + 1, min=0)[None, :, None].expand(batch, lo.shape[0], n_kv_heads)
+
+
+def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, cfg: NSAConfig, positions: Tensor,
+                      docs: Documents | None = None) -> tuple[Tensor | None, CompressedSoftmax, Tensor]:
+    """The compressed branch (Eq. 4 over the Eq. 7 tokens) for queries q [B, TQ, Hq, dk] at positions [TQ]:
+    (o_cmp [B, TQ, Hq, dv] in q's dtype, the CompressedSoftmax (each query's range and the base-2 log-sum-exp over
+    it, -inf without a visible block: the Eq. 8 normaliser), reads [B, TQ, Hkv] = the visible compressed tokens
+    each query's range covers). k_cmp/v_cmp are cast to q's dtype (differentiably), as compress() returns them.
+    v_cmp=None: only the normaliser (no P.V product; o_cmp is None), for a call whose output leaves this branch
+    out but still selects blocks."""
+    k_low = k_cmp.to(q.dtype)
+    v_low = None if v_cmp is None else v_cmp.to(q.dtype)
+    lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs))
+    if v_low is None:
+        o, lse2 = None, range_logsumexp2(q.detach(), k_low.detach(), lo, hi, checked=True)
+    else:
+        o, lse2 = range_attention_lse2(q, k_low, v_low, lo, hi, checked=True)
+    return o, CompressedSoftmax(lo, hi, lse2), range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
+
+
+def window_branch(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Tensor,
+                  docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+    """The window branch (Section 3.3.3) for queries q [B, TQ, Hq, dk] at positions [TQ]: (o_win [B, TQ, Hq, dv]
+    in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers)."""
+    lo, hi = window_ranges(positions, cfg, docs)
+    o, _ = range_attention_lse2(q, k, v, lo, hi)
+    return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)

@@ -1,4 +1,4 @@
-"""Backward Triton kernels of range attention (range_attention_fwd.py), FlashAttention-2 style, deterministic.
+"""Backward Triton kernels of range attention (range_attention.py), FlashAttention-2 style, deterministic.
 
 With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D, one pass over dO and O:
 range_attention_delta), the probabilities are rebuilt as
@@ -12,17 +12,15 @@ back), dP = dO V^T, dS = P * (dP - delta), and
   fp32 inputs (COMPENSATED): the exact fp32 dots are sequential FMA chains, and `acc += dot(a, b)` would fuse the
   accumulator into one chain over every (query, head) term of a key (a compressed key is read by every later
   query of all the group's heads); each step's dot is added with Kahan compensation instead (as the selected
-  kernel's dk/dv), which the first H100 run showed is needed (dk/dv error ratios up to 4.5 without it).
-  And D is made consistent with the kernel's own P and dP (CONSISTENT_D, as the selected kernel's dq does):
-  FlashAttention-2's D = rowsum(dO * O) differs from sum_s P_s dP_s by the rounding of O and of P, so a row's
-  dS does not sum to 0 and every key of the row inherits a shared bias, which a shift-invariant parameter (phi's
-  b2, added to every compressed key) sums up: the second H100 run measured d(phi_k.b2) error ratios of 1.1-1.3
-  at fp32. The dq kernel accumulates sum P, sum P (dP - D0) and sum P k in its pass, corrects dq to
-  D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. Every dtype: half precision kept D0
-  at first, until the H100 run of 2026-11-25 (reports/parity) measured d(phi_k.b1) / d(phi_k.b2) error ratios of
-  1.63 (fp16) and 1.76 (bf16) on the strict_cmp_visibility preset (O stored in half precision carries a ~2^-9
-  relative rounding into D0). In half precision sum P k is a bf16 tensor-core dot (P rounded: its error enters
-  dq multiplied by the small D - D0); as an exact fp32 dot on CUDA cores it doubled the 64k backward (H100).
+  kernel's dk/dv), without which dk/dv miss the error-ratio rule.
+  And D is made consistent with the kernel's own P and dP (CONSISTENT_D, as the selected kernel's dq does), in
+  every dtype: FlashAttention-2's D = rowsum(dO * O) differs from sum_s P_s dP_s by the rounding of O and of P (O
+  stored in half precision carries a ~2^-9 relative rounding into D0), so a row's dS does not sum to 0 and every
+  key of the row inherits a shared bias, which a shift-invariant parameter (phi's b1 and b2, added to every
+  compressed key) sums up past the error-ratio rule. The dq kernel accumulates sum P, sum P (dP - D0) and sum P k
+  in its pass, corrects dq to D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. In half
+  precision sum P k is a bf16 tensor-core dot (P rounded: its error enters dq multiplied by the small D - D0); an
+  exact fp32 dot on CUDA cores would be much slower. perf/NOTES.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -32,11 +30,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .range_attention_fwd import _key_tile_span
-from .selected_attention_bwd import _compensated_add
-from .selected_attention_fwd import LOG2E, dot_settings
-from .tiling import (RangeTiling, launch_with_fallback, padded, range_tiling, row_pass_shape, row_view,
-                     smaller_range_tilings)
+from ..numerics import LOG2E
+from .common import (RangeTiling, compensated_add, dot_settings, key_tile_span, launch_with_fallback, padded,
+                     range_tiling, row_pass_shape, row_view, smaller_range_tilings)
 
 
 @triton.jit
@@ -67,7 +63,7 @@ def _range_attention_dq_kernel(
     dv_mask = offs_dv < DV
 
     # int32 ranges and keys, int64 pointer offsets; the same key tiles as the forward
-    lo, hi, start, last = _key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
+    lo, hi, start, last = key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
     q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
@@ -196,9 +192,9 @@ def _range_attention_dkdv_kernel(
             pT = tl.where(in_range, tl.exp2(sT * scale_log2 - lse2[None, :]), 0.0)
             dsT = pT * (dpT - delta[None, :])
             if COMPENSATED:  # fp32: each step's dot on its own, then a Kahan add (module docstring)
-                dval, dval_comp = _compensated_add(dval, dval_comp, tl.dot(pT, do.to(tl.float32),
+                dval, dval_comp = compensated_add(dval, dval_comp, tl.dot(pT, do.to(tl.float32),
                                                                            input_precision=INPUT_PRECISION))
-                dkey, dkey_comp = _compensated_add(dkey, dkey_comp, tl.dot(dsT, q.to(tl.float32),
+                dkey, dkey_comp = compensated_add(dkey, dkey_comp, tl.dot(dsT, q.to(tl.float32),
                                                                            input_precision=INPUT_PRECISION))
             elif DOT_FP32:  # P and dS enter the dots rounded to the input dtype, as on the GPU
                 dval += tl.dot(pT.to(do.dtype).to(tl.float32), do.to(tl.float32), input_precision=INPUT_PRECISION)

@@ -1,7 +1,20 @@
-"""triton_selected_attention: the selected-attention branch (Eq. 12) on the Triton kernels, differentiable.
+"""The selected-attention branch (Eq. 12) on the Triton kernels, differentiable: triton_selected_attention.
 
-Forward: selected_attention_fwd (group-centric, paper Section 3.4). Backward: selected_attention_bwd (dq
-query-centric; dk/dv key-centric over an inverted index; deterministic, no atomics).
+Forward kernel: group-centric (paper Section 3.4, Fig. 3). Grid (query row t, KV group g, batch b). Each program
+loads the queries of all heads of group g at row t as one [BLOCK_H, BLOCK_DK] tile ("group-centric data loading"),
+then walks the selected blocks I_t of (t, g) in key tiles of BLOCK_N rows ("shared KV fetching": one K/V load
+serves every head of the group), with an online softmax in fp32 (base 2). It writes o [B, TQ, Hq, dv] and the
+softmax statistics the backward kernels use to rebuild the probabilities: stats [B, TQ, Hq, 2] fp32 = (m, 1/l), m
+the row max of the base-2 logits s * scale * log2(e), l = sum 2^(s * scale * log2(e) - m), so
+P = 2^(s * scale * log2(e) - m) / l exactly as the forward formed it (one rounding fewer than exp(s * scale - lse);
+logsumexp() gives lse). The query row t sits at absolute position p = q_offset + t; keys after p are masked (the
+current block is partial). An empty key set gives o = 0 and 1/l = 0 (lse = -inf).
+
+Packed batches (PACKED): DOC_START[t] is the first key of row t's document and block j of the row means keys
+DOC_START[t] + j * SEL_BLOCK ..; the clip to <= p keeps every key inside the document.
+
+Backward: selected_attention_bwd.py (dq query-centric; dk/dv key-centric over an inverted index; deterministic,
+no atomics).
 """
 
 from __future__ import annotations
@@ -9,14 +22,151 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
+from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
+from ..numerics import LN2, LOG2E
+from .common import INDEX_DTYPES, Tiling, dot_settings, forward_tiling, interpreting, launch_with_fallback, padded
 from .selected_attention_bwd import selected_attention_backward
-from .selected_attention_fwd import selected_attention_forward
-from .tiling import MAX_GROUP, MAX_HEAD_DIM, interpreting
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INDEX_DTYPES = (torch.int32, torch.int64)
+
+@triton.jit
+def _selected_attention_fwd_kernel(
+    Q, K, V, IDX, O, STATS, DOC_START,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ib, stride_it, stride_ih, stride_in,
+    stride_ob, stride_ot, stride_oh,
+    stride_sb, stride_st,
+    n_sel, q_offset, scale_log2,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    # 64-bit program ids: every offset below is computed in int64 (T >= 64k).
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    p = q_offset + t
+    if PACKED:
+        row_start = tl.load(DOC_START + t).to(tl.int64)
+    else:
+        row_start = 0
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    head_mask = offs_h < GROUP
+    dk_mask = offs_dk < DK
+    dv_mask = offs_dv < DV
+    heads = g * GROUP + offs_h
+
+    q = tl.load(Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
+                mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    k_base = K + b * stride_kb + g * stride_kh
+    v_base = V + b * stride_vb + g * stride_vh
+    idx_base = IDX + b * stride_ib + t * stride_it + g * stride_ih
+
+    # Running max starts finite so a fully masked tile (padding slot, tile past p) gives alpha = 1, p = 0.
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+
+    # One flat loop over (selected slot, key tile of the block) so loads pipeline across blocks.
+    for it in range(0, n_sel * TILES_PER_BLOCK):
+        slot = it // TILES_PER_BLOCK
+        tile = it % TILES_PER_BLOCK
+        block = tl.load(idx_base + slot * stride_in).to(tl.int64)
+        in_block = tile * BLOCK_N + offs_n
+        pos = row_start + block * SEL_BLOCK + in_block
+        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12: tokens of block, clipped to <= p
+
+        kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
+                     mask=key_mask[None, :] & dk_mask[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vt + offs_dv[None, :],
+                    mask=key_mask[:, None] & dv_mask[None, :], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
+        else:
+            s = tl.dot(q, kT)
+        s = tl.where(key_mask[None, :], s * scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        probs = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:  # P goes to the dot in the input dtype, as on the GPU path (no-op for fp32 inputs)
+            acc += tl.dot(probs.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=INPUT_PRECISION)
+        else:
+            acc += tl.dot(probs.to(v.dtype), v)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    tl.store(O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+             out.to(O.dtype.element_ty), mask=head_mask[:, None] & dv_mask[None, :])
+    stats_ptr = STATS + b * stride_sb + t * stride_st + heads * 2
+    tl.store(stats_ptr, tl.where(has_key, m_i, 0.0), mask=head_mask)  # empty row: m = 0, 1/l = 0 -> P = 0
+    tl.store(stats_ptr + 1, tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0), mask=head_mask)
+
+
+def logsumexp(stats: Tensor) -> Tensor:
+    """Natural-log log-sum-exp [B, TQ, Hq] of the scaled logits from the forward's stats (-inf: no key)."""
+    m, inv_l = stats.unbind(-1)
+    has_key = inv_l > 0
+    return torch.where(has_key, (m - torch.log2(torch.where(has_key, inv_l, 1.0))) * LN2, float("-inf"))
+
+
+def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
+                               tiling: Tiling | None = None,
+                               doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel on validated inputs (last dim contiguous). Returns (o, stats [B, TQ, Hq, 2] fp32).
+
+    tiling: launch settings, used as given (the GPU benchmark sweeps it); default: tiling.forward_tiling's
+    heuristic, shrunk by launch_with_fallback if the GPU lacks the resources it needs.
+    doc_start: int32 [TQ] contiguous, the first key of each query row's document (packed batch), or None.
+    """
+    B, TQ, Hq, dk = q.shape
+    TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    group = Hq // Hkv
+    n_sel = indices.shape[-1]
+    o = torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype)
+    stats = torch.empty((B, TQ, Hq, 2), device=q.device, dtype=torch.float32)
+    if B * TQ * Hq == 0:
+        return o, stats
+    block_h, block_dk, block_dv = padded(group), padded(dk), padded(dv)
+    dot_fp32, precision = dot_settings(q.dtype)
+
+    def launch(tiling: Tiling) -> None:
+        _selected_attention_fwd_kernel[(TQ, Hkv, B)](
+            q, k, v, indices, o, stats, indices if doc_start is None else doc_start,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
+            o.stride(0), o.stride(1), o.stride(2),
+            stats.stride(0), stats.stride(1),
+            n_sel, TK - TQ, scale * LOG2E,
+            GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block,
+            BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
+            TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
+            PACKED=doc_start is not None, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        )
+
+    if tiling is None:
+        launch_with_fallback(launch, forward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype))
+    else:
+        launch(tiling)
+    return o, stats
 
 
 class SelectedAttentionFunction(torch.autograd.Function):
@@ -51,7 +201,7 @@ def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, 
     dots are exact fp32 (no TF32). Differentiable in q, k, v; dk/dv are deterministic.
     Tensors must be on CUDA, or on CPU with TRITON_INTERPRET=1 set before the kernels were imported.
 
-    doc_start (packed batch of documents, issue 9): int32/int64 [TQ], the first key of each query row's
+    doc_start (packed batch of documents): int32/int64 [TQ], the first key of each query row's
     document; indices are then document-relative: block j of row t holds keys doc_start[t] + j * sel_block ..,
     clipped to <= the row's position. Documents are contiguous: doc_start is non-decreasing, doc_start[t] <= the
     row's position, and a row whose doc_start differs from the previous row's starts its document
@@ -64,6 +214,16 @@ def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, 
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return SelectedAttentionFunction.apply(q, k, v, indices, sel_block, float(scale), doc_start)
+
+
+def admitted_reads(indices: Tensor, relative: Tensor, sel_block: int) -> Tensor:
+    """reads [B, TQ, Hkv] of the kernel: the keys it admits for each (query, KV group), summed over the selected
+    blocks: block j >= 0 of a query at document-relative position p admits its keys j*l' .. (j+1)*l' - 1 that are
+    <= p (Eq. 12's clip), clamp(p - j*l' + 1, 0, l') of them. indices [B, TQ, Hkv, n] (-1 padded), relative [TQ]."""
+    p = relative.to(torch.int64)[None, :, None, None]
+    blocks = indices.to(torch.int64)
+    admitted = torch.clamp(p - blocks * sel_block + 1, min=0, max=sel_block)
+    return torch.where(blocks >= 0, admitted, torch.zeros_like(admitted)).sum(dim=-1)
 
 
 def _validated_doc_start(doc_start: Tensor, n_queries: int, n_keys: int, device: torch.device) -> Tensor:
@@ -104,10 +264,12 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int) 
         raise ValueError(f"triton_selected_attention: q and k must have the same head dim dk, got {dk} and {dk_k}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"triton_selected_attention: Hq ({Hq}) must be a multiple of Hkv ({Hkv}) (GQA)")
-    if Hq // Hkv > MAX_GROUP:
-        raise ValueError(f"triton_selected_attention: group size Hq/Hkv = {Hq // Hkv} exceeds {MAX_GROUP}")
-    if max(dk, v.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(f"triton_selected_attention: head dims dk={dk}, dv={v.shape[-1]} must be <= {MAX_HEAD_DIM}")
+    if Hq // Hkv > MAX_KERNEL_GROUP:
+        raise ValueError(f"triton_selected_attention: group size Hq/Hkv = {Hq // Hkv} exceeds "
+                         f"{MAX_KERNEL_GROUP}")
+    if max(dk, v.shape[-1]) > MAX_KERNEL_HEAD_DIM:
+        raise ValueError(f"triton_selected_attention: head dims dk={dk}, dv={v.shape[-1]} must be <= "
+                         f"{MAX_KERNEL_HEAD_DIM}")
     if TQ > TK:
         raise ValueError(f"triton_selected_attention: TQ ({TQ}) must be <= TK ({TK}): queries are the last TQ keys")
     if tuple(indices.shape[:3]) != (B, TQ, Hkv):
@@ -115,7 +277,7 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int) 
                          f"got {tuple(indices.shape)}")
     if indices.dtype not in INDEX_DTYPES:
         raise ValueError(f"triton_selected_attention: indices must be int32 or int64, got {indices.dtype}")
-    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError("triton_selected_attention: q, k, v must share one dtype among fp32/bf16/fp16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if isinstance(sel_block, bool) or not isinstance(sel_block, int) or sel_block <= 0:

@@ -27,7 +27,7 @@ Accuracy (the error-ratio rule of conformance.helpers.error_ratio against a naiv
   the n * l' keys of one query; there the consistent D is what matters (a compensated dq measured no better
   in a float64 model of the fp32 chains).
 
-Packed batches (PACKED, issue 9): dq reads block j of row t at keys DOC_START[t] + j * SEL_BLOCK .., like the
+Packed batches (PACKED): dq reads block j of row t at keys DOC_START[t] + j * SEL_BLOCK .., like the
 forward; the dk/dv programs take their block's first key and its document's end from the inverted index
 (BLOCK_BASE, BLOCK_END), so no program writes a key of another document.
 """
@@ -42,10 +42,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .selected_attention_fwd import LOG2E, dot_settings
+from ..numerics import LOG2E
+from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot_settings, dq_tiling, heads_per_query,
+                     key_tile_rows, launch_with_fallback, padded, smaller_dkdv_tilings)
 from .selected_attention_index import build_inverted_index
-from .tiling import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling, heads_per_query, key_tile_rows, launch_with_fallback,
-                     padded, smaller_dkdv_tilings)
 
 L = TypeVar("L")
 
@@ -59,14 +59,6 @@ def _dot(a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     else:
         out = tl.dot(a, b)
     return out
-
-
-@triton.jit
-def _compensated_add(total, comp, part):
-    """One Kahan step: returns (total + part, new compensation); total - comp is the compensated sum."""
-    y = part - comp
-    new_total = total + y
-    return new_total, (new_total - total) - y
 
 
 @triton.jit
@@ -234,8 +226,8 @@ def _selected_attention_bwd_dkdv_kernel(
         dpT = _dot(v, tl.trans(do), DOT_FP32, INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if COMPENSATED:
-            dv, dv_comp = _compensated_add(dv, dv_comp, _dot(pT, do, DOT_FP32, INPUT_PRECISION))
-            dk, dk_comp = _compensated_add(dk, dk_comp, _dot(dsT, q, DOT_FP32, INPUT_PRECISION))
+            dv, dv_comp = compensated_add(dv, dv_comp, _dot(pT, do, DOT_FP32, INPUT_PRECISION))
+            dk, dk_comp = compensated_add(dk, dk_comp, _dot(dsT, q, DOT_FP32, INPUT_PRECISION))
         else:
             dv += _dot(pT.to(do.dtype), do, DOT_FP32, INPUT_PRECISION)
             dk += _dot(dsT.to(q.dtype), q, DOT_FP32, INPUT_PRECISION)
@@ -294,8 +286,8 @@ def _slot_reduce_kernel(
         dk_part = tl.load(DK_WS + rows[:, None] * DK + offs_dk[None, :], mask=dk_mask, other=0.0)
         dv_part = tl.load(DV_WS + rows[:, None] * DV + offs_dv[None, :], mask=dv_mask, other=0.0)
         if COMPENSATED:
-            dk, dk_comp = _compensated_add(dk, dk_comp, dk_part)
-            dv, dv_comp = _compensated_add(dv, dv_comp, dv_part)
+            dk, dk_comp = compensated_add(dk, dk_comp, dk_part)
+            dv, dv_comp = compensated_add(dv, dv_comp, dv_part)
         else:
             dk += dk_part
             dv += dv_part

@@ -7,7 +7,7 @@ all TQ queries; such blocks are split over several items whose fp32 partial dk/d
 are summed afterwards in slot order. Every sum therefore runs in a fixed order: dk/dv are bitwise
 reproducible without atomics.
 
-Packed batches (doc_start given, issue 9): indices are document-relative, so a block is keyed by a global
+Packed batches (doc_start given): indices are document-relative, so a block is keyed by a global
 (document, block) id; block_base / block_end give its first key and its document's end (exclusive), so the dk/dv
 programs of one document's last, partial block never write keys of the next document.
 """

@@ -23,19 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiling import padded
+from .common import float_order, padded
 
 EMPTY = tl.constexpr(-9223372036854775807)  # below every rank key: an unused list slot
 REVERSED = tl.constexpr(0x7FFFFFFF)  # low 32 bits of a rank key: REVERSED - block index
-
-
-@triton.jit
-def float_order(x):
-    """int32 of fp32 x whose integer order is the float order, -0.0 taken as +0.0 (masks.ranked_blocks's + 0.0):
-    the high word of an Eq. 11 rank key, here and in the prefill's select_top_n kernel."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> +0.0
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
@@ -64,8 +55,7 @@ def top_n_by_rank(cand, best, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
     key's rank (the number of larger keys among cand and best): the key of rank r goes to slot r < N_SEL. Keys are
     distinct but for EMPTY, whose entries all share the rank of the number of real keys, so a slot they land in
     stays EMPTY. For a chunk of C candidates this is [C, C + N_PAD] comparisons; score_into_list takes it only for
-    chunks narrower than N_PAD (top_n_by_sort needs at least N_PAD keys). On an H100 the select launch (64-key
-    chunks) took 16.1 us this way at 64k x 16 against 3.8 by top_n_by_sort (perf.decode_profile, perf/NOTES.md)."""
+    chunks narrower than N_PAD (top_n_by_sort needs at least N_PAD keys, and is the faster one: perf/NOTES.md)."""
     rank_cand = _larger_count(cand, cand) + _larger_count(cand, best)
     rank_best = _larger_count(best, cand) + _larger_count(best, best)
     slot = tl.arange(0, N_PAD)
@@ -129,11 +119,12 @@ def _top_n_lists_kernel(SCORES, J, LISTS, n_blocks, blocks_per_list, n_lists,
 
 
 @triton.jit
-def _top_n_merge_kernel(LISTS, OUT, n_lists, N_SEL: tl.constexpr, N_PAD: tl.constexpr, LISTS_PAD: tl.constexpr):
+def _top_n_merge_kernel(LISTS, INDICES, n_lists, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
+                        LISTS_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     blocks = merged_blocks(LISTS, row, n_lists, N_SEL, N_PAD, LISTS_PAD)
     offs = tl.arange(0, N_PAD)
-    tl.store(OUT + row * N_SEL + offs, blocks, mask=offs < N_SEL)
+    tl.store(INDICES + row * N_SEL + offs, blocks, mask=offs < N_SEL)
 
 
 def list_width(n_sel: int) -> int:

@@ -25,7 +25,7 @@ from tests.kernels.parity import score_tolerance, selection_mismatches
 from optimized import masks
 from optimized.documents import documents
 from optimized.kernels import range_attention_naive, triton_range_attention
-from optimized.ranges import compressed_ranges, window_ranges
+from optimized.kernels.range_attention import compressed_ranges, window_ranges
 from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
 
@@ -123,7 +123,8 @@ def test_gpu_parity_with_naive(case: str, dtype_name: str) -> None:
 def scores_in_dtype(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, cu: torch.Tensor | None) -> torch.Tensor:
     """Eq. 8-10 by the optimized torch path's dense per-chunk arithmetic, run in q's own dtype (the public
     functions widen fp32 to fp64 and half to fp32): the low-precision baseline of the error-ratio rule."""
-    from optimized.scoring import _chunk_scores, _packed_chunk_scores, sel_block_count
+    from optimized.masks import sel_block_count
+    from optimized.scoring import packed_scores_of_chunk, scores_of_chunk
 
     T = q.shape[1]
     positions = torch.arange(T, device=q.device)
@@ -134,9 +135,9 @@ def scores_in_dtype(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, cu: to
     for start in range(0, T, 256):
         rows = slice(start, min(T, start + 256))
         if docs is None:
-            parts.append(_chunk_scores(q[:, rows], k_low, positions[rows], n_sel_blocks, cfg))
+            parts.append(scores_of_chunk(q[:, rows], k_low, positions[rows], n_sel_blocks, cfg))
         else:
-            parts.append(_packed_chunk_scores(q[:, rows], k_low, positions[rows], n_sel_blocks, cfg, docs))
+            parts.append(packed_scores_of_chunk(q[:, rows], k_low, positions[rows], n_sel_blocks, cfg, docs))
     return torch.cat(parts, dim=1)
 
 

@@ -1,4 +1,4 @@
-"""GPU run of the fused Eq. 9-11 top-n kernel (optimized/kernels/select_top_n.py; skipped without CUDA): compiled,
+"""GPU run of the fused Eq. 9-11 top-n kernel (optimized/kernels/selection.py; skipped without CUDA): compiled,
 at the paper's sizes, its indices must be IDENTICAL (bitwise) to the torch code's on the same group scores.
 
 Run (H100):  python -m pytest tests/gpu/test_kernel_select_top_n_gpu.py -q [--gpu-report-dir DIR]
@@ -12,7 +12,6 @@ warp/CTA reductions, and the tiles are the GPU's (1024-2048 block keys per row a
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ import torch
 import optimized as O
 from conformance.helpers import finish_gpu_report, make_inputs, markdown_table
 from optimized import masks
-from optimized.kernels.select_top_n import select_top_n
-from optimized.ranges import compressed_ranges
+from optimized.kernels.range_attention import compressed_ranges
+from optimized.kernels.selection import select_top_n
 from optimized.scoring import pool_eq9, select_blocks_rows
 from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
@@ -49,7 +48,7 @@ def markdown(report: dict) -> str:
     lines += markdown_table(("case", "rows x groups", "differing", "kernel ms", "torch code ms"),
                             ((r["case"], r["rows"], r["differing"], f"{r['kernel_ms']:.3f}", f"{r['torch_ms']:.3f}")
                              for r in report["kernel"]))
-    lines += ["", "## selection_indices(range_backend='triton'): fused vs the torch code (seam replaced)", ""]
+    lines += ["", "## selection_indices(range_backend='triton'): fused vs the torch code (select_blocks on the kernel's scores)", ""]
     lines += markdown_table(("case", "differing (row, group)s", "fused ms", "torch code ms", "chunk 777 identical"),
                             ((r["case"], r["differing"], f"{r['fused_ms']:.2f}", f"{r['torch_ms']:.2f}",
                               r["chunked_identical"]) for r in report["selection"]))
@@ -65,18 +64,6 @@ def timed(fn) -> tuple[object, float]:
     end.record()
     torch.cuda.synchronize()
     return result, start.elapsed_time(end)
-
-
-@contextmanager
-def top_n_seam_replaced():
-    """masks.top_n_blocks replaced by a wrapper (same behaviour, another function): selection_indices runs the
-    torch code."""
-    original = masks.top_n_blocks
-    masks.top_n_blocks = lambda *args: original(*args)
-    try:
-        yield
-    finally:
-        masks.top_n_blocks = original
 
 
 def torch_code(p, lo, hi, positions, n_blocks, cfg):
@@ -140,8 +127,8 @@ def test_gpu_selection_indices_fused_equal_the_torch_code(packed: bool, dtype: t
 
         fused, fused_ms = timed(select)
         chunked = select(chunk_size=777)
-        with top_n_seam_replaced():
-            reference, torch_ms = timed(select)
+        reference, torch_ms = timed(lambda: O.select_blocks(
+            O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton"), cfg, cu_seqlens=cu))
     differing = int((fused != reference).any(-1).sum())
     REPORT["selection"].append({"case": f"paper heads T={T} {'packed' if packed else 'single'} {dtype}",
                                 "differing": differing, "fused_ms": fused_ms, "torch_ms": torch_ms,

@@ -25,9 +25,9 @@ from tests.kernels.selected_kernel_inputs import Case, random_indices, random_qk
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels.selected_attention_bwd import (selected_attention_backward, selected_attention_backward_dkdv,
                                                       selected_attention_backward_dq)
-from optimized.kernels.selected_attention_fwd import selected_attention_forward
+from optimized.kernels.selected_attention import selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
-from optimized.kernels.tiling import DkdvTiling, Tiling
+from optimized.kernels.common import DkdvTiling, Tiling
 
 
 DEVICE = "cuda"
@@ -251,8 +251,8 @@ def sweep(entries: list, settings, default, time_it) -> None:
 
 def test_gpu_tiling_sweep_at_64k() -> None:
     """Forward, dq-kernel and dk/dv time per launch setting at T = 65536 (the heuristic's pick is marked), so
-    the defaults in tiling.py can be checked against measurements."""
-    from optimized.kernels.tiling import dkdv_tiling, dq_tiling, forward_tiling, padded
+    the defaults in common.py can be checked against measurements."""
+    from optimized.kernels.common import dkdv_tiling, dq_tiling, forward_tiling, padded
 
     case = LONG_CASE
     q, k, v = random_qkv(case, dtype=torch.bfloat16, device=DEVICE, seed=0)

@@ -289,12 +289,14 @@ def test_65536_tokens_paper_config(range_backend):
 
     x = low.to(dtype=torch.float32, device=DEVICE)  # the vectorized float32 path on the same rows
     q_rows, gates_rows = x.q[:, gpu_rows].requires_grad_(), x.gates[:, gpu_rows].requires_grad_()
-    vec = O.nsa_forward_rows(q_rows, x.kv, gates_rows, cfg, x.phi, gpu_rows, indices=rows_indices.to(DEVICE))
+    vec = O.nsa_forward_rows(q_rows, x.kv, gates_rows, cfg, x.phi, gpu_rows, indices=rows_indices.to(DEVICE),
+                             backend="torch", range_backend="torch")
     dq, dgates = torch.autograd.grad((vec.o * weight[:, rows].to(DEVICE, torch.float32)).sum(), (q_rows, gates_rows))
     vectorized = {"o": vec.o, "dq": dq, "dgates": dgates}
     ratios_vs_fp32 = {n: error_ratio(candidate[n], baseline[n], vectorized[n]) for n in candidate}
     with torch.no_grad():  # the free float32 selection of the sampled rows vs the kernel run's (bf16) selection
-        free32 = O.nsa_forward_rows(q_rows.detach(), x.kv, gates_rows.detach(), cfg, x.phi, gpu_rows).indices.cpu()
+        free32 = O.nsa_forward_rows(q_rows.detach(), x.kv, gates_rows.detach(), cfg, x.phi, gpu_rows, backend="torch",
+                                    range_backend="torch").indices.cpu()
         exact = low.to(dtype=torch.float64, device=DEVICE)
         k_cmp64 = O.compress(exact.kv.cmp.k, exact.kv.cmp.v, cfg, exact.phi)[0]
         scores64 = selection_scores_rows(exact.q[:, gpu_rows], k_cmp64, cfg, gpu_rows, -(-T // cfg.sel_block)).cpu()

@@ -19,7 +19,7 @@ import optimized as O
 from conformance.helpers import error_ratio, make_inputs
 from optimized.forward import gated_sum
 from optimized.kernels.gated_sum import gated_sum_kernel
-from optimized.masked_attention import compute_dtype
+from optimized.dispatch import compute_dtype
 from reference.config import NSAConfig
 
 CUDA = torch.cuda.is_available()
@@ -29,7 +29,7 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=needs
 
 
 def torch_expression(gates, o_cmp, o_slc, o_win, dtype):
-    """What _nsa_forward_rows_on_kernels computed before the kernel: Eq. 5 on widened copies, rounded once."""
+    """What the kernel path (forward._kernel_path) computed before the kernel: Eq. 5 on widened copies, rounded once."""
     cd = compute_dtype(dtype)
     return gated_sum(gates.to(cd), o_cmp.to(cd), o_slc.to(cd), o_win.to(cd)).to(dtype)
 

@@ -21,8 +21,7 @@ from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention
 from optimized.kernels.range_attention_bwd import range_attention_backward, range_attention_delta, reading_rows
-from optimized.kernels.range_attention_fwd import range_attention_forward
-from optimized.ranges import compressed_ranges, range_reads, window_ranges
+from optimized.kernels.range_attention import compressed_ranges, range_attention_forward, range_reads, window_ranges
 from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
 
@@ -296,7 +295,7 @@ def test_scale_default_is_one_over_sqrt_dk() -> None:
 def test_gpu_launch_table_covers_every_kernel_and_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled-GPU launch heuristic (not the interpreter's 16 x 16) gives a valid tiling for every kernel,
     dtype and padded head width the kernels accept."""
-    from optimized.kernels.tiling import RANGE_KINDS, range_tiling
+    from optimized.kernels.common import RANGE_KINDS, range_tiling
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     for kind in RANGE_KINDS:

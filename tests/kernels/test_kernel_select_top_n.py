@@ -1,8 +1,8 @@
-"""The fused Eq. 9-11 top-n kernel (optimized/kernels/select_top_n.py) against the torch code it replaces
+"""The fused Eq. 9-11 top-n kernel (optimized/kernels/selection.py) against the torch code it replaces
 on the same group scores P: scoring.pool_eq9, the masked_fill past J and scoring.select_blocks_rows. The indices
 must be IDENTICAL (bitwise): ties, signed zeros, rows with fewer blocks than n, forced blocks overlapping,
 every preset, packed documents. Then selection_indices(range_backend="triton"), which runs the kernel, against
-the same call with a replaced seam, which must run the torch code.
+select_blocks on the same call's materialized scores (the torch code of Eq. 9-11).
 
 On a machine without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, root conftest) on tiny
 shapes; test_kernel_select_top_n_gpu.py runs it compiled at the paper's sizes. P entries past each row's range
@@ -18,12 +18,13 @@ import torch
 
 import optimized as O
 from conformance.helpers import make_inputs
-from optimized import masks, scoring
+from optimized import masks
 from optimized.documents import documents
-from optimized.kernels import select_top_n as top_n_module
-from optimized.kernels.select_top_n import select_top_n
-from optimized.ranges import compressed_ranges
-from optimized.scoring import pool_eq9, sel_block_count, select_blocks_rows
+from optimized.kernels import selection as top_n_module
+from optimized.kernels.range_attention import compressed_ranges
+from optimized.kernels.selection import select_top_n
+from optimized.masks import sel_block_count
+from optimized.scoring import pool_eq9, select_blocks_rows
 from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
 
@@ -55,8 +56,8 @@ def layout_cfg(layout, **extra) -> NSAConfig:
 
 @contextmanager
 def seam_replaced(name: str, replacement=None):
-    """masks.<name> replaced (by default with a wrapper around the original that behaves the same: a new function,
-    which is all the dispatch looks at), restored on exit."""
+    """masks.<name> replaced (by default with a wrapper around the original that behaves the same), restored on
+    exit."""
     original = getattr(masks, name)
     setattr(masks, name, replacement or (lambda *args: original(*args)))
     try:
@@ -260,7 +261,7 @@ def test_bad_inputs_raise_value_errors() -> None:
         select_top_n(p, lo, hi, J, 3, cfg, out=torch.zeros((1, 4, 2, 4), dtype=torch.int64))
 
 
-# selection_indices on the kernels: the fused path vs the torch code (a replaced seam) ----------------------------
+# selection_indices on the kernels: the fused path vs the torch code of Eq. 9-11 on the kernel's scores -----------
 def selection(x, k_cmp, cfg, cu=None, **kwargs):
     return O.selection_indices(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton", **kwargs)
 
@@ -277,9 +278,7 @@ def test_selection_indices_fused_equal_the_torch_code(preset: str, packed: bool)
     k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi, cu_seqlens=cu)[0]
     fused = selection(x, k_cmp, cfg, cu)
     assert torch.equal(selection(x, k_cmp, cfg, cu, chunk_size=7), fused), "depends on the chunking"
-    with seam_replaced("top_n_blocks"):
-        assert torch.equal(selection(x, k_cmp, cfg, cu, chunk_size=11), fused)
-    scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton")
+    scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton", chunk_size=11)
     assert torch.equal(O.select_blocks(scores, cfg, cu_seqlens=cu), fused)
 
 
@@ -295,7 +294,7 @@ def test_selection_before_the_first_compressed_block(T: int) -> None:
 
 
 def test_selection_with_budget_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default chunks (_kernel_chunks) with a tiny P budget: many chunks of different row counts, the same
+    """The default chunks (kernel_chunks) with a tiny P budget: many chunks of different row counts, the same
     indices as one chunk."""
     x = make_inputs(SMALL, 90, B=2, seed=8, dtype=torch.float32, device=DEVICE)
     k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
@@ -303,7 +302,7 @@ def test_selection_with_budget_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> 
     calls = []
     real = top_n_module.select_top_n
     monkeypatch.setattr(top_n_module, "select_top_n", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
-    monkeypatch.setattr(scoring, "KERNEL_CHUNK_P_BYTES", 2 * 2 * 4 * 40)  # 40 row-columns per chunk
+    monkeypatch.setattr(top_n_module, "KERNEL_CHUNK_P_BYTES", 2 * 2 * 4 * 40)  # 40 row-columns per chunk
     assert torch.equal(selection(x, k_cmp, SMALL), whole)
     assert len(calls) > 5 and len({shape[1] for shape in calls}) > 2, calls
     assert all(shape[1] * max(shape[3], 1) <= 40 or shape[1] == 1 for shape in calls), calls
@@ -312,7 +311,7 @@ def test_selection_with_budget_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_chunk_is_two_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Per chunk: group_scores writing P without a zero fill, then the top-n kernel writing the chunk's rows of the
     result (no copy)."""
-    from optimized.kernels import group_scores as group_scores_module
+    group_scores_module = top_n_module
 
     x = make_inputs(SMALL, 60, seed=2, dtype=torch.float32, device=DEVICE)
     k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
@@ -328,7 +327,9 @@ def test_a_chunk_is_two_launches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("seam", ["forced_blocks", "top_n_blocks", "ranked_blocks"])
-def test_a_replaced_top_n_seam_runs_the_torch_code(seam: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kernels_compute_the_top_n_rules_themselves(seam: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel path computes Eq. 11 itself (optimized/kernels/selection.py says which seams it honours): with a
+    top-n seam replaced, the kernels still run and never ask it, while the torch path does."""
     x = make_inputs(SMALL, 50, seed=4, dtype=torch.float32, device=DEVICE)
     k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
     fused = selection(x, k_cmp, SMALL)
@@ -338,9 +339,10 @@ def test_a_replaced_top_n_seam_runs_the_torch_code(seam: str, monkeypatch: pytes
     original = getattr(masks, seam)
     with seam_replaced(seam, lambda *args: seam_calls.append(1) or original(*args)):
         replaced = selection(x, k_cmp, SMALL)
-    assert seam_calls and not kernel_calls, f"kernel calls {len(kernel_calls)}, {seam} calls {len(seam_calls)}"
+        assert kernel_calls and not seam_calls, f"kernel calls {len(kernel_calls)}, {seam} calls {len(seam_calls)}"
+        O.selection_indices(x.q, k_cmp, SMALL, range_backend="torch")
+    assert seam_calls, f"the torch path must ask masks.{seam}"
     assert torch.equal(replaced, fused)
-    assert torch.equal(selection(x, k_cmp, SMALL), fused) and kernel_calls, "the kernel runs again once restored"
 
 
 def test_the_kernel_takes_the_band_and_j_from_their_seams() -> None:
@@ -353,24 +355,23 @@ def test_the_kernel_takes_the_band_and_j_from_their_seams() -> None:
     for seam, replacement in (("eq9_pool_weights", eq9_zero_based_band), ("current_sel_block", shifted_current)):
         with seam_replaced(seam, replacement):
             fused = selection(x, k_cmp, SMALL)
-            with seam_replaced("top_n_blocks"):
-                torch_code = selection(x, k_cmp, SMALL)
+            torch_code = O.select_blocks(O.selection_scores(x.q, k_cmp, SMALL, range_backend="triton"), SMALL)
         assert not torch.equal(fused, plain), f"replacing {seam} must matter for this input"
         assert torch.equal(fused, torch_code), seam
 
 
 def test_kernel_chunks_keep_p_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scoring, "KERNEL_CHUNK_P_BYTES", 1000 * 16)
+    monkeypatch.setattr(top_n_module, "KERNEL_CHUNK_P_BYTES", 1000 * 16)
     single = torch.clamp((torch.arange(5000) - 31) // 16 + 1, min=0)  # one sequence at the paper's l, d
     packed = torch.cat([single[:700], single[:3000], single[:1300]])  # widths restart at each document
     for widths in (single, packed):
-        chunks = scoring._kernel_chunks(widths, 16, None)
+        chunks = top_n_module.kernel_chunks(widths, 16, None)
         assert chunks[0][0] == 0 and chunks[-1][1] == widths.shape[0]
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])), "chunks must tile the rows"
         for q0, q1 in chunks:
             assert q1 > q0 and ((q1 - q0) * max(1, int(widths[q0:q1].max())) <= 1000 or q1 - q0 == 1)
-    chunks = scoring._kernel_chunks(single, 16, None)
+    chunks = top_n_module.kernel_chunks(single, 16, None)
     assert chunks[0] == (0, 142), "the first rows read few columns: 142 rows x 7 columns"
     assert chunks[-1][1] - chunks[-1][0] <= 3, "the last rows read 311 columns: 3 rows per chunk"
-    assert scoring._kernel_chunks(single, 16, 700) == [(q, min(q + 700, 5000)) for q in range(0, 5000, 700)]
-    assert scoring._kernel_chunks(single[:0], 16, None) == []
+    assert top_n_module.kernel_chunks(single, 16, 700) == [(q, min(q + 700, 5000)) for q in range(0, 5000, 700)]
+    assert top_n_module.kernel_chunks(single[:0], 16, None) == []

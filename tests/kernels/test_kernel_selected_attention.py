@@ -18,9 +18,9 @@ from conformance.helpers import error_ratio, rel_error
 from tests.kernels.selected_kernel_inputs import Case, document_starts, random_indices, random_qkv
 from optimized.kernels import selected_attention_naive, triton_selected_attention
 from optimized.kernels import selected_attention_bwd as bwd_module
-from optimized.kernels.selected_attention_fwd import logsumexp, selected_attention_forward
+from optimized.kernels.selected_attention import logsumexp, selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
-from optimized.kernels.tiling import DkdvTiling, Tiling, launch_with_fallback, smaller_dkdv_tilings
+from optimized.kernels.common import DkdvTiling, Tiling, launch_with_fallback, smaller_dkdv_tilings
 from reference.branches import selected_attention_rows
 from reference.config import NSAConfig
 

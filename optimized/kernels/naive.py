@@ -1,8 +1,9 @@
-"""Pure-torch selected attention (Eq. 12): gather the selected tokens, masked softmax. The kernels' oracle.
+"""Pure-torch oracles of the attention kernels, for tests and small shapes: dense masks and a masked softmax.
 
-Deliberately simple and written independently of the vectorized path in `optimized/`: it gathers every
-(query, group) token list [n * l'] explicitly, so it is O(TQ * n * l') in memory and meant for tests and for
-checking sampled positions of long sequences, not for training.
+Deliberately simple and independent of the vectorized path in `optimized/`: range_attention_naive materializes
+the whole [TQ, TK] logits; selected_attention_naive gathers every (query, group) token list [n * l'] explicitly, so
+it is O(TQ * n * l') in memory (tests, and sampled positions of long sequences, not training). Differentiable
+through autograd.
 """
 
 from __future__ import annotations
@@ -11,6 +12,29 @@ import math
 
 import torch
 from torch import Tensor
+
+
+def range_attention_naive(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
+                          scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """(o [B, TQ, Hq, dv], lse [B, TQ, Hq]) of Eq. 2 where query row t reads keys lo[t] .. hi[t] (inclusive;
+    none when hi < lo: o = 0, lse = -inf). GQA: head h reads KV head h // (Hq / Hkv). Differentiable in q, k, v."""
+    B, TQ, Hq, dk = q.shape
+    TK, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(dk)
+    keys = torch.arange(TK, device=q.device)
+    mask = (keys[None, :] >= lo.to(q.device).long()[:, None]) & (keys[None, :] <= hi.to(q.device).long()[:, None])
+    k_heads = k.repeat_interleave(group, dim=2)
+    v_heads = v.repeat_interleave(group, dim=2)
+    logits = torch.einsum("bthd,bshd->bhts", q, k_heads) * scale
+    logits = logits.masked_fill(~mask[None, None], float("-inf"))
+    has_key = mask.any(-1)[None, None, :, None]
+    lse = torch.logsumexp(torch.where(has_key, logits, torch.zeros_like(logits)), dim=-1)
+    lse = torch.where(has_key[..., 0], lse, torch.full_like(lse, float("-inf")))
+    probs = torch.softmax(torch.where(has_key, logits, torch.zeros_like(logits)), dim=-1) * mask[None, None]
+    out = torch.einsum("bhts,bshd->bthd", probs, v_heads)
+    return out, lse.transpose(1, 2)
 
 
 def selected_attention_naive(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int,

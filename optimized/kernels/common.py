@@ -1,25 +1,30 @@
-"""Tile sizes and launch settings of the selected-attention kernels (the paper's Section 3.4 design).
+"""What the Triton kernels of optimized/kernels share: launch settings (tile sizes, warps,
+pipeline stages, and a fallback to smaller tiles when a GPU lacks the resources), the dot settings of each input
+dtype, the row view of the row passes, and the @triton.jit helpers several kernels call.
 
-Forward and dq: a program holds the query heads of one GQA group as a [BLOCK_H, BLOCK_DK] tile (BLOCK_H >= 16
-so tl.dot has an MMA-sized M dimension) and walks key tiles of BLOCK_N rows inside each selected block (B_k | l'
-when l' is a multiple of 16; smaller or odd blocks are covered by a 16-row tile with a mask).
-dk/dv: a program holds a key tile [BLOCK_N, d] of one selected block and takes the queries that selected the
-block BLOCK_COLS (query, head) columns at a time (queries x next_pow2(h) heads), so every tl.dot is
-[BLOCK_N, BLOCK_COLS]-sized instead of one query's [BLOCK_N, h].
+Selected-attention tiles (the paper's Section 3.4 design). Forward and dq: a program holds the query heads of one
+GQA group as a [BLOCK_H, BLOCK_DK] tile (BLOCK_H >= 16 so tl.dot has an MMA-sized M dimension; a group of fewer
+heads is padded with masked rows) and walks key tiles of BLOCK_N rows inside each selected block (B_k | l' when l'
+is a multiple of 16; smaller or odd blocks are covered by a 16-row tile with a mask). dk/dv: a program holds a key
+tile [BLOCK_N, d] of one selected block and takes the queries that selected the block BLOCK_COLS (query, head)
+columns at a time (queries x next_pow2(h) heads), so every tl.dot is [BLOCK_N, BLOCK_COLS]-sized instead of one
+query's [BLOCK_N, h]. Head dims that are not a power of two (e.g. 192) are padded to the next one (256) with masked
+columns, in every kernel.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-MAX_GROUP = 64  # query heads per KV group the kernels accept (the [h, d_k] tile must fit in registers)
-MAX_HEAD_DIM = 256  # largest d_k / d_v
+from ..dispatch import interpreting
+
+INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory a forward program may plan for (H100: 227 KiB per SM)
 
@@ -44,9 +49,12 @@ class Tiling:
             raise ValueError(f"Tiling.num_stages must be >= 1, got {self.num_stages}")
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1, set by the root conftest)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_FP32, INPUT_PRECISION): fp32 inputs use exact fp32 dots ('ieee', no TF32); the interpreter's
+    tl.dot is wrong on bf16, so there every operand is upcast to fp32 (after being rounded to the input dtype
+    wherever the GPU path feeds the dot a half-precision operand, so the interpreter keeps its numerics)."""
+    dot_fp32 = dtype == torch.float32 or interpreting()
+    return dot_fp32, "ieee"
 
 
 def padded(n: int) -> int:
@@ -205,14 +213,9 @@ RANGE_KINDS = ("forward", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 
 # (largest BLOCK_DK + BLOCK_DV, (block_m, block_n, num_warps)) per kernel, half precision: the widest tiles that
 # compile for sm_90 without spilling, or with the least (cuobjdump -res-usage of triton.compile for
-# GPUTarget("cuda", 90, 32), Triton 3.7; perf/NOTES.md lists the survey). dk/dv: block_m = query rows per step,
-# block_n = key rows per program. scores, d_k = 128: 128 x 128 / 8 warps (114 registers) measured 1.69 ms against
-# 1.97 for 64 x 64 / 8 on the last 8k rows at 64k (perf.prefill_probe, H100). dq with the consistent D (its sum P k
-# accumulator, every dtype since 2026-11-25, a bf16 dot in half precision): 64 x 32 / 4 warps at 128 + 128 uses 251
-# registers, no spill; 256 + 128 needs 8 warps (4 spill 8 B; 8: 179 registers). dk/dv at 128 + 128: 32 query rows x
-# 128 keys / 8 warps (wgmma, 255 registers, 8 B of spill) measured 58.4 / 20.6 ms for the whole compressed / window
-# backward at 64k against 94.6 / 29.5 with the 64 x 32 tiles before it (mma.sync, 212 registers) and 91.7 / 28.0
-# with 32 x 64 (wgmma, 238, no spill) (perf.prefill_probe, H100, 2026-11-25).
+# GPUTarget("cuda", 90, 32); perf.kernel_survey checks them), and among those the fastest measured (perf/NOTES.md).
+# dk/dv: block_m = query rows per step, block_n = key rows per program; its 128 + 128 tiles (32 x 128, 8 warps,
+# wgmma) spill 8 B.
 _RANGE_TABLE = {
     "forward": ((128, (128, 64, 8)), (256, (64, 32, 4)), (384, (128, 64, 8)), (512, (64, 32, 8))),
     "dq": ((128, (64, 32, 4)), (256, (64, 32, 4)), (384, (32, 32, 8)), (512, (32, 32, 8))),
@@ -252,3 +255,35 @@ def smaller_range_tilings(tiling: RangeTiling) -> list[RangeTiling]:
         out.append(RangeTiling(MIN_DOT, block_n, tiling.num_warps, 1))
         block_n //= 2
     return out
+
+
+# @triton.jit helpers called by several kernels ----------------------------------------------------------------
+
+@triton.jit
+def key_tile_span(LO, HI, rows, valid, n_keys, BLOCK_N: tl.constexpr):
+    """The ranges [lo, hi] of the given rows (int32; an invalid row reads nothing) and the key tiles covering the
+    union of the rows that read something: tiles start at `start`, a multiple of BLOCK_N (so a row's arithmetic
+    does not depend on the rows it shares a program with), and run while start_n <= last."""
+    lo = tl.load(LO + rows, mask=valid, other=0)
+    hi = tl.load(HI + rows, mask=valid, other=-1)
+    reads = valid & (hi >= lo)
+    first = tl.min(tl.where(reads, lo, n_keys), 0)
+    last = tl.max(tl.where(reads, hi, -1), 0)
+    return lo, hi, (first // BLOCK_N) * BLOCK_N, last
+
+
+@triton.jit
+def compensated_add(total, comp, part):
+    """One Kahan step: returns (total + part, new compensation); total - comp is the compensated sum."""
+    y = part - comp
+    new_total = total + y
+    return new_total, (new_total - total) - y
+
+
+@triton.jit
+def float_order(x):
+    """int32 of fp32 x whose integer order is the float order, -0.0 taken as +0.0 (masks.ranked_blocks's + 0.0):
+    the high word of an Eq. 11 rank key (the prefill's top-n kernel and the decode step's lists)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> +0.0
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
