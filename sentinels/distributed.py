@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -227,7 +228,8 @@ def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, tenso
                                                          set_optimizer_state_dict)
 
     tensors, _ = sharded_state(model, optimizer)
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(tensors_dir))
+    with _one_process_is_intended():
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(tensors_dir), no_dist=not _initialized())
     set_model_state_dict(model, {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
     flat = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.")}
     set_optimizer_state_dict(model, optimizer, {**flat, **optimizer_plain},
@@ -238,7 +240,21 @@ def save_sharded_tensors(tensors: dict[str, torch.Tensor], tensors_dir: str) -> 
     """Every rank writes its shards of `tensors` into tensors_dir (fsynced); rank 0 also writes the index."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tensors_dir, sync_files=True))
+    with _one_process_is_intended():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tensors_dir, sync_files=True),
+                 no_dist=not _initialized())
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """torch.distributed.checkpoint warns when it runs without a process group; here that is what one process does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*single process")
+        yield
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

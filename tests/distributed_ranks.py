@@ -5,7 +5,8 @@ plants the faults it is given into this process, then runs `python -m sentinels`
 environment says which rank it is (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as under torchrun.
 
 Imported, `launch(...)` starts every rank of one run on a free port, each with its stdout/stderr in a file, and
-`Run.wait(...)` waits for all of them with a deadline (a hung rank is killed, so it cannot hang the tests).
+`Run.wait(...)` waits for all of them with a deadline (a hung rank is killed, so it cannot hang the tests), and
+`one_process_reference(...)` trains one process on the micro-batches of both ranks (the equivalence oracle).
 """
 
 from __future__ import annotations
@@ -177,6 +178,52 @@ def launch(logs: Path, command: list[str], *, nproc: int = 2, faults: list[str] 
                                       cwd=ROOT, env=env, stdout=(logs / f"rank{rank}.out").open("w"),
                                       stderr=(logs / f"rank{rank}.err").open("w")))
     return Run(procs, logs)
+
+
+# --------------------------------------------------------------------------------- the one-process oracle
+def _one_process(config: Path, overrides: list[str], out: Path, *, mode: str) -> dict:
+
+    from sentinels.config import load_config
+    from sentinels.distributed import RanksAsOneSource
+    from sentinels.trainer import Trainer
+
+    cfg = load_config(config, [*overrides, f"train.out_dir={out}"])
+    source = RanksAsOneSource(cfg, 2, mode=mode)
+    t = cfg.train
+    single = cfg.replace(**({"train.grad_accum": 2 * t.grad_accum} if mode == "interleave" else
+                            {"train.micro_batch_size": 2 * t.micro_batch_size}))
+    trainer = Trainer(single, batch_source=source, console=False, save_checkpoints=False)
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    assert result.status == "completed"
+    return {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            "losses": [r["loss"] for r in result.records]}
+
+
+@dataclass
+class Reference:
+    accum2: dict  # one process, grad_accum 2 x micro-batch m, on both ranks' micro-batches: {"params", "losses"}
+    micro2m: dict  # one process, one micro-batch of 2m sequences per step
+    tolerance: float  # factor x max |p_2m - p_accum2|: the size of an fp32 summation-order effect on this run
+
+
+def one_process_reference(tmp: Path, config: Path, overrides: list[str], factor: float) -> Reference:
+    """One process on the micro-batches the two ranks of `config` + `overrides` read, twice: grad_accum 2 of the
+    ranks' micro-batch, and one micro-batch of twice the size (other fp32 summation order, same mathematics)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): the same kernels, the same sums
+    try:
+        accum2 = _one_process(config, overrides, tmp / "accum2", mode="interleave")
+        micro2m = _one_process(config, overrides, tmp / "2m", mode="concat")
+    finally:
+        torch.set_num_threads(threads)
+    order = max((micro2m["params"][n] - p).abs().max().item() for n, p in accum2["params"].items())
+    assert order > 0, "the two summation orders gave identical parameters: the tolerance would be degenerate"
+    return Reference(accum2, micro2m, factor * order)
 
 
 if __name__ == "__main__":

@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from distributed_ranks import launch
-from sentinels.config import load_config
-from sentinels.distributed import RanksAsOneSource
-from sentinels.trainer import Trainer
+from distributed_ranks import Reference, launch, one_process_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
@@ -63,39 +59,9 @@ def _dumps(path: Path) -> list[dict]:
     return [torch.load(path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def _one_process(out: Path, *, mode: str) -> dict[str, torch.Tensor]:
-    cfg = load_config(TINY, [f"train.out_dir={out}", *OVERRIDES])
-    source = RanksAsOneSource(cfg, 2, mode=mode)
-    single = cfg.replace(**({"train.grad_accum": 2} if mode == "interleave" else {"train.micro_batch_size": 4}))
-    trainer = Trainer(single, batch_source=source, console=False, save_checkpoints=False)
-    try:
-        result = trainer.train()
-    finally:
-        trainer.close()
-    assert result.status == "completed"
-    return {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-            "losses": [r["loss"] for r in result.records]}
-
-
-@dataclass
-class Reference:
-    accum2: dict  # one process, grad_accum 2 x micro-batch m, on both ranks' micro-batches
-    micro2m: dict  # one process, one micro-batch of 2m
-    tolerance: float  # TOLERANCE_FACTOR x max |p_2m - p_accum2|
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Reference:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): the same kernels, the same sums
-    try:
-        tmp = tmp_path_factory.mktemp("one-process")
-        accum2, micro2m = _one_process(tmp / "accum2", mode="interleave"), _one_process(tmp / "2m", mode="concat")
-    finally:
-        torch.set_num_threads(threads)
-    order = max((micro2m["params"][n] - p).abs().max().item() for n, p in accum2["params"].items())
-    assert order > 0, "the two summation orders gave identical parameters: the tolerance would be degenerate"
-    return Reference(accum2, micro2m, TOLERANCE_FACTOR * order)
+    return one_process_reference(tmp_path_factory.mktemp("one-process"), TINY, OVERRIDES, TOLERANCE_FACTOR)
 
 
 def equivalence_problems(dumps: list[dict], ref: Reference) -> list[str]:
