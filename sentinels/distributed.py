@@ -69,6 +69,17 @@ def init_distributed(device_type: str) -> DistInfo:
 # The model wrapper
 
 
+def require_fsdp() -> None:
+    """ImportError naming the setting unless this torch has FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)
+    and torch.distributed.checkpoint's state-dict API."""
+    try:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: F401
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"train.parallel fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); "
+                          f"torch {torch.__version__} has not: {exc}") from None
+
+
 def wrap_model(model: nn.Module, *, parallel: str, device: torch.device, info: DistInfo,
                bf16: bool) -> nn.Module:
     """The module the training step calls: DDP around `model`, or `model` itself sharded in place by FSDP2 (its

@@ -59,8 +59,8 @@ from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .data.tokenizers import get_tokenizer
 from .distributed import (DistInfo, clip_grad_norm, diverged_parameters, gather_objects, gradient_sync,  # noqa: F401
-                          init_distributed, load_sharded_state, on_every_rank, save_sharded_tensors, sharded_state,
-                          wrap_model)
+                          init_distributed, load_sharded_state, on_every_rank, require_fsdp, save_sharded_tensors,
+                          sharded_state, wrap_model)
 from .errors import InputError, ReportedElsewhere
 from .model import NSALanguageModel, build_model, count_parameters, lm_loss
 from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
@@ -260,6 +260,8 @@ class Trainer:
                                                save_checkpoints=self.save_checkpoints)
             if not authorization.allowed:
                 raise TrainerError(authorization.reason)
+            if cfg.train.parallel == "fsdp":
+                require_fsdp()
             run_dir = check_out_dir(cfg, resume=resume, fresh=fresh)
             candidates: list[CheckpointEntry] = []
             if resume:
@@ -795,6 +797,7 @@ class Trainer:
                 progress.close()
             if self.telemetry is not None:
                 self.telemetry.close()
+        self._ended_normally = True
         return TrainResult(status=status, steps_done=step, halt_reason=halt_reason, records=records,
                            events=list(self.events), run_dir=self.run_dir)
 
@@ -809,7 +812,12 @@ class Trainer:
                 (self.run_dir / HALT_FILE).touch()
 
     def close(self) -> None:
+        """Leave the process group. After a run that ended normally (completed or halted) the ranks first wait for
+        each other, so that no rank exits while rank 0 still reports: torchrun stops the other ranks of a group as
+        soon as one exits with a non-zero code, and a halted run exits with 3."""
         if self.dist.initialized_here and dist.is_initialized():
+            if getattr(self, "_ended_normally", False):
+                dist.barrier()
             dist.destroy_process_group()
 
 
