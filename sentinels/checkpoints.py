@@ -220,6 +220,11 @@ def load_checkpoint(ckpt_dir: Path, entry: CheckpointEntry) -> dict[str, Any]:
         if actual != entry.sha256:
             raise CheckpointError(f"{path} does not match its sha256 in {LATEST} (written {entry.sha256[:16]}..., "
                                   f"now {actual[:16]}...): the file changed or was cut short after it was written")
+    return _load_plain_state(path, REQUIRED_KEYS, entry.step)
+
+
+def _load_plain_state(path: Path, required: tuple[str, ...], step: int) -> dict[str, Any]:
+    """A state dict saved by this module, loaded with weights_only=True and checked: its keys, format and step."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, foreign pickle, ...: torch raises many types
@@ -228,13 +233,13 @@ def load_checkpoint(ckpt_dir: Path, entry: CheckpointEntry) -> dict[str, Any]:
                               f"{first[:300]}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint")
-    missing = [key for key in REQUIRED_KEYS if key not in state]
+    missing = [key for key in required if key not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: not a checkpoint of this trainer")
     if state["format"] != FORMAT:
         raise CheckpointError(f"{path} has format {state['format']!r}, this trainer reads {FORMAT}")
-    if state["step"] != entry.step:
-        raise CheckpointError(f"{path} holds step {state['step']!r}, its name says {entry.step}")
+    if state["step"] != step:
+        raise CheckpointError(f"{path} holds step {state['step']!r}, its name says {step}")
     return state
 
 
@@ -410,16 +415,4 @@ def load_sharded_checkpoint(ckpt_dir: Path, entry: CheckpointEntry) -> dict[str,
             raise CheckpointError(f"{path} does not match its sha256 in {MANIFEST}: the file changed or was cut "
                                   f"short after it was written")
     check_tensor_index(root / TENSORS / ".metadata")
-    try:
-        state = torch.load(root / STATE, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CheckpointError(f"{root / STATE} cannot be loaded as plain data (weights_only=True): "
-                              f"{type(exc).__name__}: {first[:300]}") from None
-    if not isinstance(state, dict) or [key for key in SHARDED_REQUIRED_KEYS if key not in state]:
-        raise CheckpointError(f"{root / STATE} is not the state of a sharded checkpoint of this trainer")
-    if state["format"] != FORMAT:
-        raise CheckpointError(f"{root / STATE} has format {state['format']!r}, this trainer reads {FORMAT}")
-    if state["step"] != entry.step:
-        raise CheckpointError(f"{root / STATE} holds step {state['step']!r}, its name says {entry.step}")
-    return state
+    return _load_plain_state(root / STATE, SHARDED_REQUIRED_KEYS, entry.step)
