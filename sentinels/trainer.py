@@ -658,6 +658,9 @@ class Trainer:
         tokens = 0
         documents = 0  # packed documents (data.packing varlen)
         t_start = time.perf_counter()
+        # The device's timeline of the step, from the first forward's launch to its last kernel (CUDA events): the
+        # step time without the first micro-batch's fetch, and without later fetches the device computed through.
+        device_span = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None
         for micro in range(cfg.grad_accum):
             t0 = time.perf_counter()
             batch: Batch = self.data.next_batch()
@@ -667,6 +670,8 @@ class Trainer:
             dt_fetch += time.perf_counter() - t0
             tokens += batch.n_tokens
             documents += batch.n_documents or 0
+            if device_span is not None and micro == 0:
+                device_span[0].record()
             with gradient_sync(net, sync=micro == cfg.grad_accum - 1):
                 with self._autocast():
                     logits = net(batch.inputs, batch.cu_seqlens)
@@ -692,6 +697,8 @@ class Trainer:
                 loss_mean /= self.dist.world_size
         gate_mean /= cfg.grad_accum
         distinct /= cfg.grad_accum
+        if device_span is not None:
+            device_span[1].record()
         loss_value = float(loss_mean.item())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -709,6 +716,7 @@ class Trainer:
             "tokens_per_s": tokens * self.dist.world_size / max(dt_total, 1e-9),
             "dt_fetch_s": dt_fetch,
             "dt_step_s": dt_total - dt_fetch,
+            "dt_device_s": device_span[0].elapsed_time(device_span[1]) / 1000 if device_span is not None else None,
             "mem_allocated_mib": torch.cuda.memory_allocated(self.device) / mib if self.device.type == "cuda" else None,
             "mem_reserved_mib": torch.cuda.memory_reserved(self.device) / mib if self.device.type == "cuda" else None,
             "sel_distinct_blocks": float(distinct.mean().item()),
