@@ -192,6 +192,15 @@ def _equal(a, b) -> bool:
     return a == b
 
 
+def test_train_parallel_is_a_validated_config_field():
+    from sentinels.config import ConfigError, load_config
+
+    assert load_config(TINY).train.parallel == "ddp"
+    assert load_config(TINY, ["train.parallel=fsdp"]).train.parallel == "fsdp"
+    with pytest.raises(ConfigError, match=r"train\.parallel: must be one of \['ddp', 'fsdp'\], got 'zero'"):
+        load_config(TINY, ["train.parallel=zero"])
+
+
 # -- the launch gate on every rank -------------------------------------------------------------------------------
 def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]

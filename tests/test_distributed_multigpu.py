@@ -1,6 +1,8 @@
 """`python -m sentinels.multigpu` end to end on CPU: the tiny config, 2 gloo ranks under torchrun, the same code path
 as on 2 GPUs (one process with doubled accumulation, 2 ranks, a .HALT stop and --resume, the summation-order run)
-and the report it writes."""
+and the report it writes. The end-to-end run starts 11 processes (about 40 s on 2 busy cores), so it is marked
+slow and left out of CI (`pytest -m slow tests/test_distributed_multigpu.py` runs it); the argument checks run
+in CI."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 
 
+@pytest.mark.slow
 def test_the_multi_gpu_check_runs_end_to_end_on_cpu_ranks(tmp_path):
     out = tmp_path / "report"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -38,7 +41,8 @@ def test_the_multi_gpu_check_runs_end_to_end_on_cpu_ranks(tmp_path):
     first, second = halt["stops_after_steps"]
     assert 2 < first < 7 < second < 14 and halt["history_equal"] and halt["checkpoint"]["equal"]
     assert [p["status"] for p in summary["phases"]] == ["completed", "completed", "halted and resumed", "completed"]
-    assert summary["throughput"]["n-gpu"]["gpus"] == 2 and summary["throughput"]["one-gpu"]["tokens_per_s"] > 0
+    one, two = summary["throughput"]["one-gpu"], summary["throughput"]["n-gpu"]
+    assert two["gpus"] == 2 and one["tokens_per_s_per_gpu"] > 0 and one["judged"] == "wall" and one["device"] is None
     with (out / "loss_curves.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 14 and all(row["loss_one-gpu"] == row["loss_n-gpu"] for row in rows)
