@@ -6,7 +6,8 @@ NCCL), stops an N-GPU run with .HALT and resumes it, and writes a report to --ou
 
 Runs, in this order, each in processes of its own (the N-GPU ones under torchrun, through `python -m sentinels
 train`, the command a user launches):
-  one-gpu     one process, grad_accum N, reading the micro-batches the N ranks read (RanksAsOneSource)
+  one-gpu     one process, grad_accum N, reading the micro-batches the N ranks read (RanksAsOneSource); with
+              --parallel fsdp a group of one rank, so that it computes with FSDP's mixed precision too
   n-gpu       N ranks, micro-batch m and grad_accum 1 each: the same tokens per optimizer step, uninterrupted
   halted      N ranks again: .HALT is created once step --halt-at is logged; then --resume, and .HALT again once
               step --resume-until is logged (past the checkpoint of step --save-every)
@@ -198,6 +199,14 @@ def torchrun_argv(nproc: int, config: Path, overrides: list[str], *, resume: boo
     return argv + (["--resume"] if resume else [])
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def one_process_main(spec_path: Path) -> int:
     """A one-GPU run (a child of this command): the N ranks' micro-batches in one process."""
     from .distributed import RanksAsOneSource
@@ -206,6 +215,11 @@ def one_process_main(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     ranks_cfg = load_config(spec["config"], spec["overrides"])
     nproc, mode = int(spec["nproc"]), spec["mode"]
+    if ranks_cfg.train.parallel == "fsdp":
+        # FSDP's numerics (on CUDA: parameters gathered in bf16, gradients reduced in fp32) come from fully_shard,
+        # which needs a process group: this process forms a group of one, as torchrun --nproc_per_node 1 would.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
     t = ranks_cfg.train
     single = ranks_cfg.replace(**({"train.grad_accum": nproc * t.grad_accum} if mode == "interleave" else
                                   {"train.micro_batch_size": nproc * t.micro_batch_size}))
