@@ -42,12 +42,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                       extra_metadata={"config_path": str(args.config), "overrides": overrides})
     try:
         result = trainer.train()
+        if trainer.dist.is_main:  # before close(), where the other ranks wait for it
+            print(json.dumps({"status": result.status, "steps_done": result.steps_done,
+                              "halt_reason": result.halt_reason, "run_dir": str(result.run_dir),
+                              "events": [e.kind for e in result.events]}), flush=True)
     finally:
         trainer.close()
-    if trainer.dist.is_main:
-        print(json.dumps({"status": result.status, "steps_done": result.steps_done,
-                          "halt_reason": result.halt_reason, "run_dir": str(result.run_dir),
-                          "events": [e.kind for e in result.events]}))
     return 0 if result.status == "completed" else 3
 
 

@@ -38,6 +38,7 @@ SYNTHETIC_TASKS = ("uniform", "needle_recall")
 TOKENIZERS = ("byte", "gpt2")
 PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
+PARALLELS = ("ddp", "fsdp")
 
 
 def _require(cond: bool, key: str, rule: str, value: Any) -> None:
@@ -186,6 +187,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: Literal["bf16", "fp32"] = "fp32"  # bf16 autocast on CUDA; CPU always runs fp32
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How ranks under torchrun share the work (sentinels/distributed.py; one process uses it only for the
+    # checkpoint format). ddp: every rank holds the whole model, gradients are all-reduced, rank 0 writes one
+    # checkpoint file. fsdp: FSDP2 (fully_shard) shards parameters, gradients and AdamW state over the ranks
+    # (bf16 parameters in compute, fp32 gradient reduction on CUDA with precision bf16); sharded checkpoints
+    # through torch.distributed.checkpoint.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
     activation_checkpointing: bool = False
     save_every: int = 50  # steps between checkpoints (0 = only at the end / on halt)
@@ -206,6 +213,7 @@ class TrainConfig:
         _require(self.grad_clip > 0, f"{key}.grad_clip", "must be > 0", self.grad_clip)
         _require(self.precision in PRECISIONS, f"{key}.precision", f"must be one of {PRECISIONS}", self.precision)
         _require(self.device in DEVICES, f"{key}.device", f"must be one of {DEVICES}", self.device)
+        _require(self.parallel in PARALLELS, f"{key}.parallel", f"must be one of {PARALLELS}", self.parallel)
         _require(self.save_every >= 0, f"{key}.save_every", "must be >= 0", self.save_every)
         _require(bool(self.out_dir), f"{key}.out_dir", "must be a non-empty path", self.out_dir)
 

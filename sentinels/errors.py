@@ -22,6 +22,13 @@ class InputError(Exception):
     """Base of the errors that mean bad input (ConfigError, DataError, TrainerError, TokenizerUnavailable, ...)."""
 
 
+class ReportedElsewhere(InputError):
+    """Bad input that another process reports (rank 0 of a distributed run says it once): exit code 2, no line."""
+
+
+BAD_INPUT_ERRORS = (InputError, ValueError, OSError, ImportError)
+
+
 def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -41,8 +48,9 @@ def run_reporting_errors(command: Callable[[argparse.Namespace], int], args: arg
             traceback.print_exc()
         print(f"interrupted: {one_line(exc) if str(exc) else 'Ctrl-C'}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (InputError, ValueError, OSError, ImportError) as exc:
+    except BAD_INPUT_ERRORS as exc:
         if debug:
             traceback.print_exc()
-        print(f"error: {one_line(exc)}", file=sys.stderr)
+        if not isinstance(exc, ReportedElsewhere):
+            print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,17 +1,27 @@
 """The trainer: AdamW, warmup + cosine LR, grad clipping, gradient accumulation, bf16 autocast on CUDA,
-DDP through torchrun, atomic checkpoints with exact resume, monitors, and clean stops (.HALT, SIGTERM).
+DDP or FSDP2 through torchrun (train.parallel, sentinels/distributed.py), atomic checkpoints with exact resume,
+monitors, and clean stops (.HALT, SIGTERM).
 
 Run directory (train.out_dir):
     config.yaml, metadata.json         resolved config; hash, git commit, versions, tokenizer fingerprint
     heartbeat.jsonl, metrics.csv       one record per step (rank 0)
     events.jsonl                       monitor events (loss floor, gate collapse, watchdog, data fallback)
     checkpoints/step_XXXXXXXX.pt       plain data loaded with weights_only=True; checkpoints/latest.json lists the kept
-                                       ones with their sha256 (sentinels/checkpoints.py: atomic, fsynced, fallback)
+                                       ones with their sha256 (sentinels/checkpoints.py: atomic, fsynced, fallback);
+                                       train.parallel fsdp: a step_XXXXXXXX.dcp/ directory of shards instead
     loss_floor_dump.pt / .jsonl        the last batches when the loss-floor monitor trips
     .HALT                              create it to stop after the next step (a checkpoint is written first)
 SIGTERM and SIGINT (Ctrl-C) stop like .HALT; a second Ctrl-C aborts at once, without a checkpoint. SIGUSR1 dumps
 every thread's stack to stderr (faulthandler). A new run refuses a non-empty train.out_dir unless it resumes
 (--resume) or starts over (--fresh: the old contents are moved to <out_dir>.old-N, nothing is deleted).
+
+Several ranks (torchrun): every rank runs the launch gate's check, judges out_dir and opens its data shard, and
+the ranks agree on the outcome, so a refusal on any rank stops them all with one message from rank 0. A stop
+(.HALT on rank 0, a signal to any rank, a halting monitor) is agreed after each step, so every rank stops after
+the same step and one checkpoint is written. Before each checkpoint the DDP replicas are compared bit for bit
+(a rank that missed an all-reduce stops the run instead of being saved). --resume continues bit for bit on the
+same number of ranks; on another number it keeps the model, optimizer and schedule when the global batch (ranks x
+micro_batch_size x grad_accum) is unchanged, and says that the data readers start over.
 """
 
 from __future__ import annotations
@@ -39,7 +49,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
-from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoints
 from .checkpoints import (CHECKPOINT_DIR, CheckpointEntry, CheckpointError, atomic_torch_save,  # noqa: F401
@@ -49,7 +58,10 @@ from .data.batch import Batch
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .data.tokenizers import get_tokenizer
-from .errors import InputError
+from .distributed import (DistInfo, clip_grad_norm, diverged_parameters, gather_objects, gradient_sync,  # noqa: F401
+                          init_distributed, load_sharded_state, on_every_rank, require_fsdp, save_sharded_tensors,
+                          sharded_state, wrap_model)
+from .errors import InputError, ReportedElsewhere
 from .model import NSALanguageModel, build_model, count_parameters, lm_loss
 from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
 from .launch.gonogo import authorize_training
@@ -58,6 +70,9 @@ from .telemetry import ProgressBar, Telemetry
 log = logging.getLogger("sentinels.train")
 
 HALT_FILE = ".HALT"
+# The only config keys a resume may change, together, when the global batch (ranks x micro_batch_size x grad_accum)
+# stays the same: a run moved to another number of GPUs, or a micro-batch halved to fit memory.
+LAYOUT_KEYS = ("train.grad_accum", "train.micro_batch_size")
 
 
 class TrainerError(InputError, RuntimeError):
@@ -68,36 +83,16 @@ class AbortedError(KeyboardInterrupt):
     """A second Ctrl-C: the run stops at once, without a checkpoint."""
 
 
+class RankStopped(TrainerError, ReportedElsewhere):
+    """This rank stops because a check failed on some rank; rank 0 says why (the command line prints nothing)."""
+
+
+class RanksDivergedError(RuntimeError):
+    """The DDP replicas no longer hold the same parameters: the gradient averaging is broken."""
+
+
 # ----------------------------------------------------------------------------------------------------
-# Distributed
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    initialized_here: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def active(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-
-def init_distributed(device_type: str) -> DistInfo:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; then join the process group (nccl on CUDA, gloo on CPU)."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return DistInfo()
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    initialized_here = False
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-        initialized_here = True
-    return DistInfo(rank, world, local, initialized_here)
+# Device
 
 
 def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
@@ -240,41 +235,54 @@ class Trainer:
                  console: bool = True, extra_metadata: dict[str, Any] | None = None,
                  save_checkpoints: bool = True, i_know_what_im_doing: bool = False, fresh: bool = False):
         self.cfg = cfg
-        # The launch gate (docs/runbook.md): >= 5000 steps need a valid GO record, or the logged override.
-        # The trainer checks the record and the long-run rules itself, whatever launched it.
-        self.launch_authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing,
-                                                       save_checkpoints=save_checkpoints)
-        if not self.launch_authorization.allowed:
-            raise TrainerError(self.launch_authorization.reason)
         self.save_checkpoints = save_checkpoints
-        self.run_dir = check_out_dir(cfg, resume=resume, fresh=fresh)
+        self.step_hook = step_hook
+        self.synthetic_on_fail = synthetic_on_fail
+        self.events: list[Event] = []
+        self.telemetry: Telemetry | None = None
         self.device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
         self.dist = init_distributed(self.device.type)
-        self.step_hook = step_hook
-        self.console = console and self.dist.is_main
-        self.synthetic_on_fail = synthetic_on_fail
-        self.effective_precision = "bf16" if (cfg.train.precision == "bf16" and self.device.type == "cuda") else "fp32"
-        if cfg.train.precision == "bf16" and self.device.type != "cuda":
-            log.warning("train.precision is bf16 but the device is %s: running fp32", self.device.type)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        try:
+            self._build(resume=resume, fresh=fresh, batch_source=batch_source, console=console,
+                        extra_metadata=extra_metadata, i_know_what_im_doing=i_know_what_im_doing)
+        except BaseException:
+            self.close()
+            raise
 
-        candidates: list[CheckpointEntry] = []
-        if resume:
-            candidates, problems = checkpoints.resume_candidates(self.run_dir)
-            if not candidates:
-                raise TrainerError(f"--resume: no checkpoint in {self.run_dir / CHECKPOINT_DIR}"
-                                   + (f" ({'; '.join(problems)})" if problems else ""))
-            for problem in problems:
-                log.warning("resume: %s", problem)
-        self.events: list[Event] = []
-        # The data source is built (and a local source checked) before the model: a bad file stops the run here.
-        shard = ShardSpec.for_rank(self.dist.rank, self.dist.world_size)
-        self.data = batch_source if batch_source is not None else BatchSource(
-            cfg, shard, synthetic_on_fail=synthetic_on_fail, on_fallback=self._on_data_fallback)
-        self._barrier()  # every rank has judged out_dir before rank 0 changes it
-        if self.dist.is_main:
+    def _build(self, *, resume: bool, fresh: bool, batch_source: Any, console: bool,
+               extra_metadata: dict[str, Any] | None, i_know_what_im_doing: bool) -> None:
+        cfg = self.cfg
+
+        def start() -> tuple:
+            # The launch gate (docs/runbook.md): >= 5000 steps need a valid GO record, or the logged override.
+            # The trainer checks the record and the long-run rules itself, whatever launched it, on every rank.
+            authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing,
+                                               save_checkpoints=self.save_checkpoints)
+            if not authorization.allowed:
+                raise TrainerError(authorization.reason)
+            if cfg.train.parallel == "fsdp":
+                require_fsdp()
+            run_dir = check_out_dir(cfg, resume=resume, fresh=fresh)
+            candidates: list[CheckpointEntry] = []
+            if resume:
+                candidates, problems = checkpoints.resume_candidates(run_dir)
+                if not candidates:
+                    raise TrainerError(f"--resume: no checkpoint in {run_dir / CHECKPOINT_DIR}"
+                                       + (f" ({'; '.join(problems)})" if problems else ""))
+                for problem in problems:
+                    log.warning("resume: %s", problem)
+            # The data source is built (and a local source checked) before the model: a bad file stops the run here.
+            shard = ShardSpec.for_rank(self.dist.rank, self.dist.world_size)
+            data = batch_source if batch_source is not None else BatchSource(
+                cfg, shard, synthetic_on_fail=self.synthetic_on_fail, on_fallback=self._on_data_fallback)
+            return authorization, run_dir, candidates, data
+
+        # every rank has judged the gate, out_dir and its data before rank 0 changes out_dir
+        self.launch_authorization, self.run_dir, candidates, self.data = self._on_every_rank("starting", start)
+
+        def prepare_out_dir() -> None:
+            if not self.dist.is_main:
+                return
             if fresh and self.run_dir.is_dir() and any(self.run_dir.iterdir()):
                 moved = move_aside(self.run_dir)
                 log.warning("--fresh: moved the previous contents of %s to %s", self.run_dir, moved)
@@ -283,15 +291,25 @@ class Trainer:
             if stale_halt.exists():  # left by the stop this run resumes from
                 log.warning("removing %s from a previous stop before starting", stale_halt)
                 stale_halt.unlink()
-        self._barrier()
+
+        self._on_every_rank("preparing train.out_dir", prepare_out_dir)
+        self.console = console and self.dist.is_main
+        self.effective_precision = "bf16" if (cfg.train.precision == "bf16" and self.device.type == "cuda") else "fp32"
+        if cfg.train.precision == "bf16" and self.device.type != "cuda":
+            log.warning("train.precision is bf16 but the device is %s: running fp32", self.device.type)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
 
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         self.model: NSALanguageModel = build_model(cfg).to(self.device)
         self.model.activation_checkpointing = cfg.train.activation_checkpointing
-        self.ddp = (DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda"
-                                            else None) if self.dist.active else None)
+        # DDP wraps the model; FSDP2 shards it in place (its parameters become DTensors): the optimizer comes after.
+        self.net = wrap_model(self.model, parallel=cfg.train.parallel, device=self.device, info=self.dist,
+                              bf16=self.effective_precision == "bf16")
+        self.sharded = cfg.train.parallel == "fsdp"  # the checkpoint format: sharded directories (also in one process)
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         t = cfg.train
@@ -368,11 +386,19 @@ class Trainer:
         atomic_write_bytes(self.run_dir / name, json.dumps(meta, indent=2, default=str).encode())
 
     def _gather(self, obj: Any) -> list[Any]:
+        return gather_objects(self.dist, obj)
+
+    def _on_every_rank(self, what: str, fn: Callable[[], Any]) -> Any:
+        """fn() on every rank; a failure on any rank stops every rank, with one message from rank 0."""
+        return on_every_rank(self.dist, what, fn, TrainerError, RankStopped)
+
+    def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's obj on every rank."""
         if not self.dist.active:
-            return [obj]
-        out: list[Any] = [None] * self.dist.world_size
-        dist.all_gather_object(out, obj)
-        return out
+            return obj
+        box = [obj if self.dist.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _sum_over_ranks(self, count: int) -> int:
         if not self.dist.active:
@@ -380,6 +406,18 @@ class Trainer:
         t = torch.tensor([count], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return int(t.item())
+
+    def _stop_reason(self, mine: str | None) -> str:
+        """The reasons the ranks stop for, one per distinct reason, naming the ranks (collective)."""
+        reasons = self._gather(mine)
+        by_reason: dict[str, list[int]] = {}
+        for rank, reason in enumerate(reasons):
+            if reason is not None:
+                by_reason.setdefault(reason, []).append(rank)
+        if len(by_reason) == 1 and len(next(iter(by_reason.values()))) == self.dist.world_size:
+            return next(iter(by_reason))
+        return "; ".join(f"{reason} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+                         for reason, ranks in by_reason.items())
 
     def _any_rank(self, flag: bool) -> bool:
         if not self.dist.active:
@@ -389,26 +427,81 @@ class Trainer:
         return bool(t.item() > 0)
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def _check_replicas(self, step: int) -> None:
+        """DDP keeps every rank's parameters bit-identical; a rank that missed a gradient all-reduce does not. Such a
+        state is not saved: every rank stops (rank 0 raises RanksDivergedError naming the parameters)."""
+        if self.cfg.train.parallel != "ddp" or not self.dist.active:
+            return
+        diverged = diverged_parameters(self.dist, self.model)
+        if not diverged:
+            return
+        latest = self._kept[-1].file if self._kept else "none"
+        message = (f"the ranks hold different parameters after step {step} ({len(diverged)} tensors differ, first "
+                   f"{', '.join(diverged[:3])}): the gradients were not averaged over the ranks, so no checkpoint "
+                   f"of this state is written (the last one kept: {latest})")
+        if self.dist.is_main:
+            raise RanksDivergedError(message)
+        raise RankStopped(message)
+
     def save_checkpoint(self, next_step: int) -> Path | None:
+        self._check_replicas(next_step)
         data_states = self._gather(self.data.state_dict())
         rng_states = self._gather(rng_state())
+        ckpt_dir = self.run_dir / CHECKPOINT_DIR
+        state = {
+            "step": next_step,
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.config_hash(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": data_states,
+            "rng": rng_states,
+            "monitor_counts": {"loss_floor_tripped": self.loss_floor.tripped},
+        }
+        if self.sharded:
+            return self._save_sharded(ckpt_dir, state)
         path = None
         if self.dist.is_main:
-            ckpt_dir = self.run_dir / CHECKPOINT_DIR
             self._kept = checkpoints.write_checkpoint(ckpt_dir, {
-                "step": next_step,
-                "config": self.cfg.to_dict(),
-                "config_hash": self.cfg.config_hash(),
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "data": data_states,
-                "rng": rng_states,
-                "monitor_counts": {"loss_floor_tripped": self.loss_floor.tripped},
-            }, self._kept, self.cfg.train.keep_checkpoints)
+                **state, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                self._kept, self.cfg.train.keep_checkpoints)
             path = ckpt_dir / self._kept[-1].file
         self._barrier()
         return path
+
+    def _save_sharded(self, ckpt_dir: Path, state: dict[str, Any]) -> Path:
+        """Every rank writes its shards into step_XXXXXXXX.dcp.tmp/tensors; rank 0 then writes the plain state and
+        the manifest and renames the directory into place (sentinels/checkpoints.py)."""
+        step = int(state["step"])
+        tensors, optimizer_plain = sharded_state(self.model, self.optimizer)
+        self._on_every_rank("preparing a sharded checkpoint", lambda: checkpoints.begin_sharded_checkpoint(
+            ckpt_dir, step) if self.dist.is_main else None)
+        save_sharded_tensors(tensors, str(checkpoints.sharded_tmp_dir(ckpt_dir, step) / checkpoints.TENSORS))
+        self._barrier()
+
+        def finish() -> None:
+            if self.dist.is_main:
+                self._kept = checkpoints.finish_sharded_checkpoint(
+                    ckpt_dir, {**state, "optimizer_plain": optimizer_plain}, self._kept,
+                    self.cfg.train.keep_checkpoints)
+
+        self._on_every_rank("writing a sharded checkpoint", finish)
+        return ckpt_dir / checkpoints.checkpoint_name(step, sharded=True)
+
+    def _load_candidate(self, ckpt_dir: Path, entry: CheckpointEntry) -> dict[str, Any]:
+        """The plain state of one kept checkpoint, or CheckpointError. A file is loaded by every rank; a sharded
+        directory is checked once, by rank 0 (every file's sha256), and its small state sent to the others."""
+        if not (entry.sharded and self.dist.active):
+            return checkpoints.load_checkpoint(ckpt_dir, entry)
+        state, problem = None, None
+        if self.dist.is_main:
+            try:
+                state = checkpoints.load_checkpoint(ckpt_dir, entry)
+            except CheckpointError as exc:
+                problem = str(exc)
+        state, problem = self._broadcast((state, problem))
+        if problem is not None:
+            raise CheckpointError(problem)
+        return state
 
     def _resume(self, candidates: list[CheckpointEntry]) -> Path:
         """Load the newest usable checkpoint of `candidates` (newest first); each unusable one is reported and
@@ -418,7 +511,7 @@ class Trainer:
         chosen, state = None, None
         for i, entry in enumerate(candidates):
             try:
-                state = checkpoints.load_checkpoint(ckpt_dir, entry)
+                state = self._load_candidate(ckpt_dir, entry)
             except CheckpointError as exc:
                 failures.append(str(exc))
                 if i + 1 < len(candidates):
@@ -437,27 +530,72 @@ class Trainer:
         if chosen is None:
             raise TrainerError(f"--resume: no usable checkpoint in {ckpt_dir}: " + "; ".join(failures))
         entry = candidates[chosen]
-        self._load_state(ckpt_dir / entry.file, state)
+        self._load_state(ckpt_dir, entry, state)
         self._kept = list(reversed(candidates[chosen:]))  # oldest first, the loaded one last
         return ckpt_dir / entry.file
 
-    def _load_state(self, path: Path, ckpt: dict[str, Any]) -> None:
-        if ckpt["config_hash"] != self.cfg.config_hash():
-            diff = _dict_diff(ckpt["config"], self.cfg.to_dict())
+    def _resume_layout(self, path: Path, ckpt: dict[str, Any]) -> str | None:
+        """None when the checkpoint continues bit for bit here (same config, same number of ranks); a description
+        of the change when only the layout of the global batch changed (ranks, micro_batch_size, grad_accum, with
+        ranks x micro_batch_size x grad_accum unchanged); TrainerError otherwise."""
+        saved_world, world = len(ckpt["data"]), self.dist.world_size
+        if ckpt["config_hash"] == self.cfg.config_hash() and saved_world == world:
+            return None
+        diff = _dict_diff(ckpt["config"], self.cfg.to_dict())
+        if not set(diff) <= set(LAYOUT_KEYS):
             raise TrainerError(f"--resume: {path} was written with a different config; differing keys: {diff}")
-        if len(ckpt["data"]) != self.dist.world_size:
-            raise TrainerError(f"--resume: checkpoint has {len(ckpt['data'])} ranks, this run has "
-                               f"{self.dist.world_size}")
-        try:
-            self.model.load_state_dict(ckpt["model"])
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-            self.scheduler.load_state_dict(ckpt["scheduler"])
-            self.data.load_state_dict(ckpt["data"][self.dist.rank])
-        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-            raise TrainerError(f"--resume: {path} does not fit this run: {type(exc).__name__}: "
-                               f"{str(exc).strip().splitlines()[0][:300]}") from None
-        self._resume_rng = ckpt["rng"][self.dist.rank]
+        old, new = ckpt["config"]["train"], self.cfg.train
+        old_global = saved_world * old["micro_batch_size"] * old["grad_accum"]
+        new_global = world * new.micro_batch_size * new.grad_accum
+        if old_global != new_global:
+            per_step = world * new.micro_batch_size
+            hint = (f"set train.grad_accum={old_global // per_step}" if old_global % per_step == 0 else
+                    f"choose train.micro_batch_size and train.grad_accum so that {world} x micro_batch_size x "
+                    f"grad_accum = {old_global}")
+            raise TrainerError(f"--resume: {path} was written by {saved_world} rank(s) x micro_batch_size "
+                               f"{old['micro_batch_size']} x grad_accum {old['grad_accum']} = {old_global} sequences "
+                               f"per optimizer step; this run has {world} x {new.micro_batch_size} x {new.grad_accum} "
+                               f"= {new_global}: {hint}, so that every optimizer step sees the same number of tokens")
+        return (f"{saved_world} rank(s) x micro_batch_size {old['micro_batch_size']} x grad_accum "
+                f"{old['grad_accum']} -> {world} x {new.micro_batch_size} x {new.grad_accum} (the same "
+                f"{old_global} sequences per optimizer step)")
+
+    def _load_state(self, ckpt_dir: Path, entry: CheckpointEntry, ckpt: dict[str, Any]) -> None:
+        path = ckpt_dir / entry.file
+        layout_change = self._on_every_rank("--resume", lambda: self._resume_layout(path, ckpt))
+        saved_world = len(ckpt["data"])
+        keep_data = layout_change is None or (
+            saved_world == self.dist.world_size
+            and ckpt["config"]["train"]["micro_batch_size"] == self.cfg.train.micro_batch_size)
+        if entry.sharded:
+            load_sharded_state(self.model, self.optimizer, str(checkpoints.sharded_tensors_dir(ckpt_dir, entry)),
+                               ckpt["optimizer_plain"])
+
+        def load() -> None:
+            try:
+                if not entry.sharded:
+                    self.model.load_state_dict(ckpt["model"])
+                    self.optimizer.load_state_dict(ckpt["optimizer"])
+                self.scheduler.load_state_dict(ckpt["scheduler"])
+                if keep_data:
+                    self.data.load_state_dict(ckpt["data"][self.dist.rank])
+            except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+                raise TrainerError(f"--resume: {path} does not fit this run: {type(exc).__name__}: "
+                                   f"{str(exc).strip().splitlines()[0][:300]}") from None
+
+        self._on_every_rank("--resume", load)
+        self._resume_rng = ckpt["rng"][self.dist.rank % saved_world]
         self.start_step = int(ckpt["step"])
+        if layout_change is not None:
+            data_note = ("each rank's data continues where it stopped" if keep_data else
+                         "the data readers start over (this run's shards are not the checkpoint's, so documents "
+                         "seen before are read again)")
+            message = (f"resumed with another layout of the global batch, {layout_change}: the model, optimizer and "
+                       f"schedule continue; {data_note}")
+            log.warning("resume: %s", message)
+            self.events.append(Event("resume_layout_change", self.start_step, message,
+                                     data={"from_world_size": saved_world, "to_world_size": self.dist.world_size,
+                                           "data_continues": keep_data}))
         log.info("resumed from %s at step %d", path, self.start_step)
 
     # -- signals ---------------------------------------------------------------------------------
@@ -504,7 +642,7 @@ class Trainer:
 
     def _train_step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg.train
-        net = self.ddp if self.ddp is not None else self.model
+        net = self.net
         self.model.train()
         for group in self.optimizer.param_groups:
             assert math.isclose(group["lr"], lr_at(step, self.cfg), rel_tol=1e-9), (group["lr"], step)
@@ -520,6 +658,9 @@ class Trainer:
         tokens = 0
         documents = 0  # packed documents (data.packing varlen)
         t_start = time.perf_counter()
+        # The device's timeline of the step, from the first forward's launch to its last kernel (CUDA events): the
+        # step time without the first micro-batch's fetch, and without later fetches the device computed through.
+        device_span = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None
         for micro in range(cfg.grad_accum):
             t0 = time.perf_counter()
             batch: Batch = self.data.next_batch()
@@ -529,9 +670,9 @@ class Trainer:
             dt_fetch += time.perf_counter() - t0
             tokens += batch.n_tokens
             documents += batch.n_documents or 0
-            sync = contextlib.nullcontext() if (self.ddp is None or micro == cfg.grad_accum - 1) \
-                else self.ddp.no_sync()
-            with sync:
+            if device_span is not None and micro == 0:
+                device_span[0].record()
+            with gradient_sync(net, sync=micro == cfg.grad_accum - 1):
                 with self._autocast():
                     logits = net(batch.inputs, batch.cu_seqlens)
                 loss = lm_loss(logits, batch.labels, batch.loss_mask)
@@ -542,7 +683,7 @@ class Trainer:
                 gate_max[i] = torch.maximum(gate_max[i], s.gate_max)
                 distinct[i] += s.distinct_blocks
                 reads[i] += s.reads
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip)
         finite = bool(torch.isfinite(grad_norm).item())
         if finite:
             self.optimizer.step()
@@ -556,6 +697,8 @@ class Trainer:
                 loss_mean /= self.dist.world_size
         gate_mean /= cfg.grad_accum
         distinct /= cfg.grad_accum
+        if device_span is not None:
+            device_span[1].record()
         loss_value = float(loss_mean.item())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -573,6 +716,7 @@ class Trainer:
             "tokens_per_s": tokens * self.dist.world_size / max(dt_total, 1e-9),
             "dt_fetch_s": dt_fetch,
             "dt_step_s": dt_total - dt_fetch,
+            "dt_device_s": device_span[0].elapsed_time(device_span[1]) / 1000 if device_span is not None else None,
             "mem_allocated_mib": torch.cuda.memory_allocated(self.device) / mib if self.device.type == "cuda" else None,
             "mem_reserved_mib": torch.cuda.memory_reserved(self.device) / mib if self.device.type == "cuda" else None,
             "sel_distinct_blocks": float(distinct.mean().item()),
@@ -640,14 +784,16 @@ class Trainer:
                 if self._stop_signal:
                     halt_now = halt_now or f"{self._stop_signal} received"
                 stop = self._any_rank(halt_now is not None)
+                if stop and self.dist.active:  # every rank learns why (a signal may have reached one rank only)
+                    halt_now = self._stop_reason(halt_now)
                 done = step + 1
                 periodic = cfg.save_every > 0 and done % cfg.save_every == 0
                 if self.save_checkpoints and (stop or periodic or done == cfg.steps):
                     self.save_checkpoint(done)
                 if stop:
-                    status, halt_reason = "halted", halt_now or "another rank halted"
-                    written = (f"checkpoint {checkpoints.checkpoint_name(done)} written" if self.save_checkpoints
-                               else "no checkpoint: this run saves none")
+                    status, halt_reason = "halted", halt_now
+                    written = (f"checkpoint {checkpoints.checkpoint_name(done, self.sharded)} written"
+                               if self.save_checkpoints else "no checkpoint: this run saves none")
                     log.warning("run halted after %d of %d steps (%s): %s", done, cfg.steps, written, halt_reason)
                     step = done
                     break
@@ -659,6 +805,7 @@ class Trainer:
                 progress.close()
             if self.telemetry is not None:
                 self.telemetry.close()
+        self._ended_normally = True
         return TrainResult(status=status, steps_done=step, halt_reason=halt_reason, records=records,
                            events=list(self.events), run_dir=self.run_dir)
 
@@ -673,7 +820,12 @@ class Trainer:
                 (self.run_dir / HALT_FILE).touch()
 
     def close(self) -> None:
+        """Leave the process group. After a run that ended normally (completed or halted) the ranks first wait for
+        each other, so that no rank exits while rank 0 still reports: torchrun stops the other ranks of a group as
+        soon as one exits with a non-zero code, and a halted run exits with 3."""
         if self.dist.initialized_here and dist.is_initialized():
+            if getattr(self, "_ended_normally", False):
+                dist.barrier()
             dist.destroy_process_group()
 
 

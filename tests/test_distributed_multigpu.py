@@ -1,0 +1,63 @@
+"""`python -m sentinels.multigpu` end to end on CPU: the tiny config, 2 gloo ranks under torchrun, the same code path
+as on 2 GPUs (one process with doubled accumulation, 2 ranks, a .HALT stop and --resume, the summation-order run)
+and the report it writes. The end-to-end run starts 11 processes (about 40 s on 2 busy cores), so it is marked
+slow and left out of CI (`pytest -m slow tests/test_distributed_multigpu.py` runs it); the argument checks run
+in CI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sentinels.multigpu import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+@pytest.mark.slow
+def test_the_multi_gpu_check_runs_end_to_end_on_cpu_ranks(tmp_path):
+    out = tmp_path / "report"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sentinels.multigpu", "--out", str(out), "--config", str(TINY), "--device", "cpu",
+         "--data", "synthetic", "--steps", "14", "--seq-len", "32", "--micro-batch", "2", "--warmup-steps", "2",
+         "--save-every", "7", "--halt-at", "2", "--resume-until", "9", "--warmup", "2",
+         "--work-dir", str(tmp_path / "work"), "--time-limit-s", "240"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    verdicts = {name: v["verdict"] for name, v in summary["verdicts"].items()}
+    assert verdicts == {"loss curves": "PASS", "throughput": "NOT JUDGED", "halt/resume": "PASS"}, summary["verdicts"]
+    # DDP on 2 ranks equals one process with grad_accum 2 exactly; the summation-order run does not
+    assert summary["loss_comparison"]["n-gpu"]["max_abs"] == 0 and summary["tolerance"] > 0
+    halt = summary["halt_resume"]
+    first, second = halt["stops_after_steps"]
+    assert 2 < first < 7 < second < 14 and halt["history_equal"] and halt["checkpoint"]["equal"]
+    assert [p["status"] for p in summary["phases"]] == ["completed", "completed", "halted and resumed", "completed"]
+    one, two = summary["throughput"]["one-gpu"], summary["throughput"]["n-gpu"]
+    assert two["gpus"] == 2 and one["tokens_per_s_per_gpu"] > 0 and one["judged"] == "wall" and one["device"] is None
+    with (out / "loss_curves.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 14 and all(row["loss_one-gpu"] == row["loss_n-gpu"] for row in rows)
+    report = (out / "report.md").read_text()
+    assert "| halt/resume | PASS |" in report and "![loss curves](loss_curves.png)" in report
+    assert (out / "loss_curves.png").stat().st_size > 10_000 and (out / "throughput.csv").is_file()
+    assert sorted(p.name for p in (out / "logs").iterdir()) == [
+        "halted.leg1.log", "halted.leg2.log", "n-gpu.log", "one-gpu-2m.log", "one-gpu.log"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--halt-at", "120"], "need 1 <= --halt-at (120) < --save-every (100)"),
+    (["--nproc", "1"], "--nproc must be >= 2"),
+])
+def test_inconsistent_arguments_are_one_line(tmp_path, capsys, args, message):
+    assert main(["--out", str(tmp_path), "--config", str(TINY), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
