@@ -172,17 +172,16 @@ def test_long_sequence_stays_finite(impl, envelope, device, low_dtype):
         assert_finite(out, grads, f"T=320 {dtype}")
 
 
-def test_nan_query_is_refused_or_stays_in_its_row(impl, preset, device):
+def test_nan_query_is_refused_or_stays_in_its_row(impl, envelope, device):
     """A NaN in one query (q at one position and head) is refused with a ValueError (an input check), or it
     shows as NaN in that query's output and in no other position's: an implementation must neither answer a
     non-finite question with a finite number nor spread the NaN to other queries."""
     impl.require("nsa_forward")
-    equal = preset.cmp_block == preset.cmp_stride == preset.sel_block
-    sizes = dict(cmp_block=4, cmp_stride=4, sel_block=4) if equal else dict(cmp_block=4, cmp_stride=2, sel_block=8)
-    cfg = preset.replace(**sizes, n_sel=3, n_init=1, n_local=1, window=8, n_heads=4, n_kv_heads=2,
-                         head_dim_qk=8, head_dim_v=4)
+    cfg = envelope.fit(envelope.conventions.replace(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, n_init=1,
+                                                    n_local=1, window=8, n_heads=4, n_kv_heads=2, head_dim_qk=8,
+                                                    head_dim_v=4), equal_block=4)
     T, p, head = 24, 13, 1
-    x = make_inputs(cfg, T, seed=5, device=device, shared_kv=impl.shared_kv)
+    x = inputs_for(impl, cfg, T, seed=5, device=device)
     with torch.no_grad():
         x.q[0, p, head, 0] = float("nan")
     try:
