@@ -17,6 +17,21 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+# Every sentinel's name, in the order they run (what `python -m sentinels run --only` accepts).
+SENTINELS = ("causal_isolation", "label_shift", "doc_isolation", "random_label", "causal_isolation_trained",
+             "long_range", "loss_floor", "gate_collapse", "watchdog", "loss_floor_varlen", "gate_collapse_varlen",
+             "watchdog_varlen")
+
+# The causal leaks each profile plants for the self-test (sentinels/plants.py): every one must trip
+# causal_isolation; the random-label rows show the learned sentinel sees a leak at every position and a leak at one
+# position in d through the compressed branch.
+ISOLATION_PLANTS = ("kv_next_token", "cmp_block_early", "cmp_one_early", "cmp_visible_early",
+                    "cmp_visible_early_last_layer", "window_next_key", "win_next_token_last_layer",
+                    "win_next_token_one_head", "slc_values_next_token", "sel_block_unclipped", "sel_next_block",
+                    "sel_score_all_blocks")
+RANDOM_LABEL_PLANTS = ("kv_next_token", "cmp_block_early", "cmp_one_early")
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -25,12 +40,21 @@ class Profile:
     device: str  # cpu | cuda
     precision: str  # fp32 | bf16
     random_label: dict = field(default_factory=dict)  # dotted overrides of the probe config
+    random_label_eval_every: int = 25  # held-out evaluation every this many steps (a planted run stops at a trip)
     long_range: dict = field(default_factory=dict)
     real_text: dict = field(default_factory=dict)  # dotted overrides of the run config
+    real_text_varlen: dict = field(default_factory=dict)  # the same for the packed run
+    real_text_min_steps: int = 0  # the contiguous real-text run must reach this step (else overall INCOMPLETE)
+    plant_run: dict = field(default_factory=dict)  # overrides of the probe config for the gate/NaN/slow-data plants
     gate_collapse_plant_steps: int = 0  # steps of the planted saturated-gate run (> gate_collapse.steps)
     watchdog_plant_steps: int = 30
     label_shift_batches: int = 8
     eval_batches: int = 8
+    isolation_rows: int = 16  # rows per forward of the causal-isolation check (unchanged, probes, control)
+    isolation_random_positions: int = 16  # random positions t besides the block edges (rows longer than 256)
+    isolation_plants: tuple[str, ...] = ISOLATION_PLANTS
+    random_label_plants: tuple[str, ...] = RANDOM_LABEL_PLANTS
+    trained_isolation_plants: tuple[str, ...] = ("cmp_one_early",)
     loss_floor_plant: dict = field(default_factory=dict)  # overrides of the probe config for the planted
     #   kv_next_token leak on real text ({} = not run). A window's last label is never visible, so the leaky loss
     #   stays near ln(V)/seq_len: the plant needs a long seq_len (docs/sentinels.md)
@@ -47,8 +71,10 @@ PROFILES = {
         run_config=CONFIG_DIR / "tiny-cpu.yaml",
         device="cpu",
         precision="fp32",
-        random_label={"train.steps": 150, "train.micro_batch_size": 8, "train.seq_len": 32, "train.lr": 3e-3,
+        random_label={"train.steps": 600, "train.micro_batch_size": 8, "train.seq_len": 128, "train.lr": 3e-3,
                       "train.warmup_steps": 10, "data.synthetic.vocab_size": 64},
+        plant_run={"train.micro_batch_size": 8, "train.seq_len": 32, "train.lr": 3e-3, "train.warmup_steps": 10,
+                   "data.synthetic.vocab_size": 64},
         long_range={"train.steps": 100, "train.micro_batch_size": 16, "train.seq_len": 64, "train.lr": 1e-2,
                     "train.warmup_steps": 10, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
         real_text={"train.steps": 120, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 3e-3,
@@ -65,6 +91,8 @@ PROFILES = {
         precision="bf16",
         random_label={"train.steps": 200, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
                       "train.warmup_steps": 20, "data.synthetic.vocab_size": 64},
+        plant_run={"train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3, "train.warmup_steps": 20,
+                   "data.synthetic.vocab_size": 64},
         long_range={"train.steps": 200, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
         real_text={"train.steps": 200, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 20},
