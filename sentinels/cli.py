@@ -95,6 +95,11 @@ def _resolve_corpus(arg: str | None, work_dir: Path, log) -> Path | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    only = None if args.only is None else {name.strip() for name in args.only.split(",") if name.strip()}
+    if only is not None and (not only or only - set(SENTINELS)):
+        print(f"error: --only: unknown sentinel name(s) {sorted(only - set(SENTINELS)) or [args.only]}; choose from "
+              f"{', '.join(SENTINELS)}", file=sys.stderr)
+        return 2
     import torch
 
     from .profiles import get_profile
@@ -113,11 +118,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="sentinels-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     out_root = Path(args.out)
-    only = None if args.only is None else {name.strip() for name in args.only.split(",") if name.strip()}
-    if only is not None and (not only or only - set(SENTINELS)):
-        print(f"error: --only: unknown sentinel name(s) {sorted(only - set(SENTINELS)) or [args.only]}; choose from "
-              f"{', '.join(SENTINELS)}", file=sys.stderr)
-        return 2
     started = time.time()
     if profile.cpu_threads is not None:
         torch.set_num_threads(profile.cpu_threads)

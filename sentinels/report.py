@@ -46,18 +46,19 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def plot_result(result: SentinelResult, path: Path, *, extra_lines: dict[str, float]) -> bool:
-    """One PNG: every curve against the step (sparse curves, e.g. held-out evaluations, as markers), the
-    reference lines dashed; the y axis names the unit; the legend sits outside the axes."""
+def result_figure(result: SentinelResult, *, extra_lines: dict[str, float]):
+    """One figure: every curve against the training step (sparse curves, e.g. held-out evaluations, as markers),
+    the reference lines dashed; the y axis names the unit; the legend sits outside the axes, covering nothing.
+    None when matplotlib is missing or the result has no curve."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
     if not result.curves:
-        return False
+        return None
     fig, ax = plt.subplots(figsize=(9, 4))
     for label, values in result.curves.items():
         points = [(i, v) for i, v in enumerate(values) if v is not None and math.isfinite(v)]
@@ -70,11 +71,20 @@ def plot_result(result: SentinelResult, path: Path, *, extra_lines: dict[str, fl
         ax.axhline(y, linestyle="--", linewidth=0.8, color="gray", label=label)
     title = result.name if result.planted is None else f"{result.name} (planted: {result.planted})"
     ax.set_title(f"{title}: {result.verdict}", fontsize=10)
-    ax.set_xlabel("training step")
+    ax.set_xlabel(result.curve_x)
     ax.set_ylabel(result.curve_units)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
+    return fig
+
+
+def plot_result(result: SentinelResult, path: Path, *, extra_lines: dict[str, float]) -> bool:
+    fig = result_figure(result, extra_lines=extra_lines)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)

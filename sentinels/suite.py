@@ -66,8 +66,8 @@ class SentinelResult:
     wall_s: float = 0.0
     planted: str | None = None  # self-test rows: the planted fault; they pass when the sentinel trips
     incomplete: str | None = None  # why the verdict covers less than the profile asks for (overall INCOMPLETE)
-    curve_units: str = "nats"  # the y-axis of every curve: nats, gate value, tokens/s
-    curve_x: str = "step"  # the x-axis: training step
+    curve_units: str = "loss (nats)"  # the y axis of the plot: loss (nats), mean gate value, tokens/s
+    curve_x: str = "training step"  # its x axis
 
     @property
     def tripped(self) -> bool:
@@ -111,23 +111,25 @@ class SentinelRunner:
             fixed.update({"train.seed": self.seed, "data.shuffle_seed": self.seed})
         return base.replace(**{**overrides, **fixed})
 
-    def _trainer(self, cfg: RunConfig, *, step_hook=None, batch_source=None) -> Trainer:
-        """A trainer whose run stops at the profile's cap per run (or the end of its budget)."""
+    def _trainer(self, cfg: RunConfig, *, step_hook=None, batch_source=None, cap_s: float | None = None) -> Trainer:
+        """A trainer whose run stops at cap_s (default: the profile's cap per run) or the end of the budget."""
         if time.monotonic() > self.deadline:
             raise BudgetExhausted("the profile's time budget is spent")
-        run_deadline = min(self.deadline, time.monotonic() + self.profile.run_cap_s)
+        cap_s = self.profile.run_cap_s if cap_s is None else cap_s
+        run_deadline = min(self.deadline, time.monotonic() + cap_s)
 
         def hook(trainer: Trainer, step: int) -> None:
             if time.monotonic() > run_deadline:
-                trainer.request_stop(f"time cap ({self.profile.run_cap_s:.0f} s per run, profile budget "
+                trainer.request_stop(f"time cap ({cap_s:.0f} s for this run, profile budget "
                                      f"{self.profile.budget_s:.0f} s)")
             if step_hook is not None:
                 step_hook(trainer, step)
 
         return Trainer(cfg, step_hook=hook, batch_source=batch_source, console=False, save_checkpoints=False)
 
-    def _train(self, cfg: RunConfig, *, step_hook=None, batch_source=None) -> tuple[Trainer, TrainResult]:
-        trainer = self._trainer(cfg, step_hook=step_hook, batch_source=batch_source)
+    def _train(self, cfg: RunConfig, *, step_hook=None, batch_source=None,
+               cap_s: float | None = None) -> tuple[Trainer, TrainResult]:
+        trainer = self._trainer(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s)
         result = trainer.train()
         trainer.close()
         return trainer, result
@@ -464,7 +466,9 @@ class SentinelRunner:
         if slow_data_after is not None:
             batch_source = SlowingBatchSource(BatchSource(cfg, ShardSpec(0, 1), synthetic_on_fail=False),
                                               slow_after=slow_data_after)
-        trainer, result = self._train(cfg, step_hook=step_hook, batch_source=batch_source)
+        under_test = base == "run" and not synthetic and planted is None
+        cap_s = self.profile.real_text_cap_s if under_test and packing == "contiguous" else None
+        trainer, result = self._train(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s)
         wall = time.monotonic() - t0
         losses = self._losses(result)
         kinds = [e.kind for e in result.events]
@@ -472,7 +476,6 @@ class SentinelRunner:
         curves = {"train loss": losses}
         incomplete = None
         min_steps = self.profile.real_text_min_steps if packing == "contiguous" else 0
-        under_test = base == "run" and not synthetic and planted is None
         if under_test and result.steps_done < min_steps and not (result.halt_reason or "").startswith("loss_floor"):
             incomplete = (f"judged over {result.steps_done} steps, the profile asks for >= {min_steps} (a slow leak "
                           "may show later)")
