@@ -72,7 +72,9 @@ PROFILES = {
         run_config=CONFIG_DIR / "tiny-cpu.yaml",
         device="cpu",
         precision="fp32",
-        random_label={"train.steps": 600, "train.micro_batch_size": 8, "train.seq_len": 128, "train.lr": 3e-3,
+        # T = 128 = 4 n*l' (16 selection blocks, 4 picked). The leak at one position in d (cmp_one_early) trips
+        # after 100-125 steps (seeds 0-3, `python -m sentinels sensitivity --profile cpu`); 300 steps is 2.4x that
+        random_label={"train.steps": 300, "train.micro_batch_size": 8, "train.seq_len": 128, "train.lr": 1e-2,
                       "train.warmup_steps": 10, "data.synthetic.vocab_size": 64},
         plant_run={"train.micro_batch_size": 8, "train.seq_len": 32, "train.lr": 3e-3, "train.warmup_steps": 10,
                    "data.synthetic.vocab_size": 64},

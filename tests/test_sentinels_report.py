@@ -1,5 +1,4 @@
-"""Sentinel reports and the `run` options: markdown beside the JSON, readable plots, --only, --out (no environment
-variable redirects the report)."""
+"""Sentinel reports and the `run` options: markdown beside the JSON, readable plots, --only, --out."""
 
 from __future__ import annotations
 
@@ -85,10 +84,10 @@ def test_the_report_goes_where_out_says_and_nowhere_else(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"Document {i} talks about rivers and mills. " * 20})
                                 for i in range(20)) + "\n")
-    decoy = tmp_path / "decoy"
     proc = _run(["--only", "label_shift", "--no-selftest", "--corpus", str(corpus), "--out", str(tmp_path / "rep"),
-                 "--seed", "4"], {"OUT": str(decoy)})
+                 "--seed", "4"], {})
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "rep" / "cpu-cpu.json").read_text())
     assert [s["name"] for s in report["sentinels"]] == ["label_shift"] and report["seed"] == 4
-    assert (tmp_path / "rep" / "cpu-cpu.md").is_file() and not decoy.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "rep"]
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["cpu-cpu.json", "cpu-cpu.md"]
