@@ -163,6 +163,17 @@ def autocast_for(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
+def logits_of(model: torch.nn.Module, tokens: Tensor, cu_seqlens: Tensor | None, precision: str) -> Tensor:
+    """fp32 logits of one forward, as the check computes them (eval, no grad, TF32 off, training precision)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), no_tf32(), autocast_for(tokens.device, precision):
+            return model(tokens, cu_seqlens).float()
+    finally:
+        model.train(was_training)
+
+
 def other_token(token: int, t: int, vocab: int) -> int:
     """A token id != token, varying with t."""
     return (token + 1 + (7 * t) % (vocab - 1)) % vocab

@@ -42,8 +42,8 @@ from .config import RunConfig
 from .data.batch import Batch, LabelShiftError, check_next_token_alignment, check_packed_alignment
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
-from .isolation import (check_causal_isolation, isolation_length, no_tf32, probe_positions, probes_for,
-                        summarize)
+from .isolation import (check_causal_isolation, isolation_length, logits_of, no_tf32, probe_positions,
+                        probes_for, summarize)
 from .model import build_model, lm_loss, packs_documents
 from .plants import PLANTS, Plant
 from .profiles import SENTINELS, Profile
@@ -251,19 +251,33 @@ class SentinelRunner:
         tokens = torch.randint(0, vocab, (1, T), generator=gen).to(device)
         probes = probes_for(probe_positions(nsa, T, n_random=self.profile.isolation_random_positions,
                                             seed=self.check_seed))
+        precision = self.profile.precision
+        planted_logits = None
         with _installed(plant, model) as handle:
-            out = check_causal_isolation(model, tokens, probes=probes, vocab=vocab, precision=self.profile.precision,
+            out = check_causal_isolation(model, tokens, probes=probes, vocab=vocab, precision=precision,
                                          cu_seqlens=cu_seqlens, rows_per_forward=self.profile.isolation_rows,
                                          stop_at_first=plant is not None)
-        return self._isolation_result("causal_isolation", out, handle, planted, t0)
+            if plant is not None and plant.seams and not out.leaked:  # was the replaced rule applied at all?
+                planted_logits = logits_of(model, tokens, cu_seqlens, precision)
+        changed = None
+        if planted_logits is not None:
+            clean = logits_of(model, tokens, cu_seqlens, precision)
+            changed = float((planted_logits - clean).abs().max()) / max(out.scale, 1e-30) > out.bound_rel
+        return self._isolation_result("causal_isolation", out, handle, planted, t0, changed=changed)
 
-    def _isolation_result(self, name: str, out, handle, planted: str | None, t0: float) -> SentinelResult:
+    def _isolation_result(self, name: str, out, handle, planted: str | None, t0: float, *,
+                          changed: bool | None = None) -> SentinelResult:
+        """changed: for a seam plant that did not trip, whether the replaced rule changed the model's logits at
+        all (False: this path does not apply it, e.g. a kernel computes the rule itself)."""
         verdict = FAIL if (out.leaked or out.inert_token_probes) else PASS
         summary = summarize(out)
-        if handle is not None and not handle.reached:
+        if handle is not None and (not handle.reached or changed is False):
             verdict = NOT_APPLICABLE
-            summary = (f"the model's path never called the replaced seam(s) {sorted(handle.plant.seams)} of "
-                       f"optimized.masks (a kernel computes the rule itself): the plant is not applied - " + summary)
+            seams = ", ".join(sorted(handle.plant.seams))
+            why = ("never called" if not handle.reached else
+                   f"was called {handle.calls} times, but the logits are those of the unplanted model")
+            summary = (f"the replaced seam(s) {seams} of optimized.masks {why}: this path computes the rule "
+                       "itself, the plant is not applied - " + summary)
         threshold = ("every logit at p < t unchanged (bitwise on CPU; on CUDA within "
                      f"{thresholds.CAUSAL_ISOLATION_CUDA_NOISE_FACTOR:g}x the control rows' difference)")
         metrics = out.as_dict()

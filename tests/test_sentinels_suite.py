@@ -137,6 +137,18 @@ def test_causal_isolation_passes_clean_and_trips_on_every_plant(tmp_path):
         assert row.verdict == FAIL and row.metrics["first"]["p"] < row.metrics["first"]["t"], (name, row.summary)
 
 
+def test_a_seam_plant_that_changes_nothing_is_not_applicable(tmp_path):
+    """A path that calls a replaced seam but computes the rule itself (as a kernel may) shows no leak and no change:
+    the row is "not applicable", never a silent pass of the sentinel."""
+    from sentinels.plants import Plant
+
+    unchanged = Plant("same_rule", "the original window rule, through the seam", "none",
+                      seams={"window_key_visible": lambda original: lambda *args: original(*args)})
+    row = _runner(tmp_path).causal_isolation(unchanged, planted="same_rule")
+    assert row.verdict == NOT_APPLICABLE and row.metrics["seam_calls"] > 0, row.summary
+    assert "logits are those of the unplanted model" in row.summary
+
+
 def test_seed_reseeds_every_run(tmp_path):
     runner = _runner(tmp_path)
     runner.seed = 7
