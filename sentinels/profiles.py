@@ -24,12 +24,12 @@ SENTINELS = ("causal_isolation", "label_shift", "doc_isolation", "random_label",
 
 # The causal leaks each profile plants for the self-test (sentinels/plants.py): every one must trip
 # causal_isolation; the random-label rows show the learned sentinel sees a leak at every position and a leak at one
-# position in d through the compressed branch.
+# position in d through the compressed branch (which the trained isolation check catches too).
 ISOLATION_PLANTS = ("kv_next_token", "cmp_block_early", "cmp_one_early", "cmp_visible_early",
                     "cmp_visible_early_last_layer", "window_next_key", "win_next_token_last_layer",
                     "win_next_token_one_head", "slc_values_next_token", "sel_block_unclipped", "sel_next_block",
                     "sel_score_all_blocks")
-RANDOM_LABEL_PLANTS = ("kv_next_token", "cmp_block_early", "cmp_one_early")
+RANDOM_LABEL_PLANTS = ("kv_next_token", "cmp_one_early")
 
 
 @dataclass(frozen=True)
