@@ -229,8 +229,8 @@ def test_cpu_profile_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_gpu_profile_plumbing_on_cpu(tmp_path, corpus, monkeypatch):
     """Every run of the GPU profile (its probe and run configs, overrides and planted faults) for two steps on
-    the CPU, the isolation checks on a few positions: catches config/plumbing errors before the GPU run.
-    Verdicts at two steps mean nothing."""
+    the CPU, the isolation checks on short rows and a few positions: catches config/plumbing errors before the GPU
+    run. Verdicts at two steps mean nothing."""
     try:
         from sentinels.data.tokenizers import get_tokenizer
 
@@ -239,6 +239,8 @@ def test_gpu_profile_plumbing_on_cpu(tmp_path, corpus, monkeypatch):
         pytest.skip(f"GPT-2 tokenizer unavailable: {exc}")
     import sentinels.suite as suite
 
+    # the run config's model at 2048 tokens costs minutes per forward on a CPU: check short rows, few positions
+    monkeypatch.setattr(suite, "isolation_length", lambda nsa, seq_len: 2 * nsa.sel_block)
     monkeypatch.setattr(suite, "probe_positions", lambda nsa, T, **kw: [1, nsa.cmp_block - 1, T - 1])
     gpu = PROFILES["gpu"]
 
