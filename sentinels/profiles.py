@@ -92,7 +92,9 @@ PROFILES = {
         run_config=CONFIG_DIR / "prod-125m.yaml",
         device="cuda",
         precision="bf16",
-        random_label={"train.steps": 800, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
+        # T = 512 = 4 n*l' for gpu-smoke.yaml. 600 steps is a provisional default: confirm it with
+        # `python -m sentinels sensitivity --profile gpu` (a leak at 1 position in d = 8 must trip well before)
+        random_label={"train.steps": 600, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
                       "train.warmup_steps": 20, "data.synthetic.vocab_size": 64},
         random_label_eval_every=50,
         plant_run={"train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3, "train.warmup_steps": 20,
@@ -105,7 +107,7 @@ PROFILES = {
         real_text={"train.steps": 600, "train.micro_batch_size": 1, "train.grad_accum": 1, "train.warmup_steps": 20},
         real_text_min_steps=600,
         real_text_cap_s=240.0,
-        real_text_varlen={"train.steps": 100, "train.micro_batch_size": 1, "train.grad_accum": 1,
+        real_text_varlen={"train.steps": 60, "train.micro_batch_size": 1, "train.grad_accum": 1,
                           "train.warmup_steps": 20},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
