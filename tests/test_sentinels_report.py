@@ -91,3 +91,28 @@ def test_the_report_goes_where_out_says_and_nowhere_else(tmp_path):
     assert [s["name"] for s in report["sentinels"]] == ["label_shift"] and report["seed"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "rep"]
     assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["cpu-cpu.json", "cpu-cpu.md"]
+
+
+def test_determinism_command_writes_its_report(tmp_path, capsys):
+    from sentinels.cli import main
+
+    assert main(["determinism", "--profile", "cpu", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "determinism-cpu-cpu.json").read_text())
+    assert report["determinism"]["repeat_max_rel"] == 0.0 and report["determinism"]["bound_rel"] == 0.0
+    assert report["clean_sweep"]["probes_run"] == 63 * 4 and report["clean_sweep"]["probes_moved"] == 0
+    assert "| same input, 1 repeated one-row forwards | 0.000e+00 | 0/1 |" in (
+        tmp_path / "determinism-cpu-cpu.md").read_text()
+
+
+def test_sensitivity_report_names_the_first_trip_of_each_statistic():
+    from sentinels.sensitivity import first_trip, markdown
+
+    evals = [{"step": 25, "gap": 0.01, "class_gap": -0.05}, {"step": 50, "gap": -0.02, "class_gap": -0.3},
+             {"step": 75, "gap": -0.2, "class_gap": -1.0}]
+    assert first_trip(evals, "gap") == 75 and first_trip(evals, "class_gap") == 50
+    row = {"seed": 0, "first_trip_all_positions": 75, "first_trip_position_class": 50, "min_gap": -0.2,
+           "min_class_gap": -1.0, "s_per_step": 0.1}
+    md = markdown({"profile": "cpu", "plant": "cmp_one_early", "max_steps": 100, "every": 25, "seq_len": 128,
+                   "margin_nats": 0.1, "profile_steps": 300, "seeds": [row, {**row, "seed": 1,
+                                                                            "first_trip_position_class": 75}]})
+    assert "| 0 | 75 | 50 | -0.2000 | -1.0000 | 0.100 |" in md and "trips after 50-75 steps (median 62.5)" in md
