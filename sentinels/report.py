@@ -67,8 +67,8 @@ def result_figure(result: SentinelResult, *, extra_lines: dict[str, float]):
         xs, ys = zip(*points)
         sparse = len(points) < len(values) / 2
         ax.plot(xs, ys, label=label, linewidth=1, marker="o" if sparse else None, markersize=3)
-    for label, y in extra_lines.items():
-        ax.axhline(y, linestyle="--", linewidth=0.8, color="gray", label=label)
+    for label, y in extra_lines.items():  # chance levels gray, trip lines red
+        ax.axhline(y, linestyle="--", linewidth=0.8, color="gray" if "chance" in label else "tab:red", label=label)
     title = result.name if result.planted is None else f"{result.name} (planted: {result.planted})"
     ax.set_title(f"{title}: {result.verdict}", fontsize=10)
     ax.set_xlabel(result.curve_x)
