@@ -30,7 +30,9 @@ class ConfigError(InputError, ValueError):
 
 
 ATTENTION_IMPLS = ("optimized", "reference")
-DEBUG_LEAKS = ("none", "kv_next_token", "cmp_block_early", "cross_document")
+DEBUG_LEAKS = ("none", "kv_next_token", "cmp_block_early", "cmp_one_early", "win_next_token", "slc_values_next_token",
+               "cross_document")
+LEAK_SCOPES = ("all", "last_layer", "one_head")
 PACKINGS = ("contiguous", "varlen")
 GATE_OVERRIDES = ("none", "locals_only", "saturated")
 DATA_SOURCES = ("synthetic", "jsonl", "text", "fineweb")
@@ -50,17 +52,26 @@ def _require(cond: bool, key: str, rule: str, value: Any) -> None:
 class DebugConfig:
     """DEBUG switches that plant faults for the sentinel self-test. Never set them in a real run."""
 
-    leak: Literal["none", "kv_next_token", "cmp_block_early", "cross_document"] = "none"
+    leak: Literal["none", "kv_next_token", "cmp_block_early", "cmp_one_early", "win_next_token",
+                  "slc_values_next_token", "cross_document"] = "none"
     # kv_next_token: every branch's keys/values at position p are those of p+1 (attention sees the next token).
     # cmp_block_early: the compressed branch's keys/values are shifted by cmp_stride positions, so compressed
     # block i (Eq. 7, visible once i*d+l-1 <= p) holds tokens up to i*d+l-1+d: it becomes visible d tokens early.
+    # cmp_one_early: the compressed branch's keys/values are shifted by one position, so the query at
+    # p = i*d+l-1 (one position in d) reads a block that holds token p+1.
+    # win_next_token: the window branch's keys/values at p are those of p+1.
+    # slc_values_next_token: the selected branch's values (not its keys) at p are those of p+1.
     # cross_document (data.packing varlen): the NSA call gets no cu_seqlens, so attention runs over the whole
     # packed row and every document sees the documents packed before it.
+    leak_scope: Literal["all", "last_layer", "one_head"] = "all"
+    # where a leak applies: every layer and head, the last layer only, or query head 0 only (every layer)
     gate_override: Literal["none", "locals_only", "saturated"] = "none"
     # locals_only: g_cmp = g_slc = 0 (Eq. 5 keeps only the sliding window); saturated: every gate = 1.
 
     def validate(self, key: str) -> None:
         _require(self.leak in DEBUG_LEAKS, f"{key}.leak", f"must be one of {DEBUG_LEAKS}", self.leak)
+        _require(self.leak_scope in LEAK_SCOPES, f"{key}.leak_scope", f"must be one of {LEAK_SCOPES}",
+                 self.leak_scope)
         _require(self.gate_override in GATE_OVERRIDES, f"{key}.gate_override",
                  f"must be one of {GATE_OVERRIDES}", self.gate_override)
 

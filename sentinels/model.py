@@ -15,8 +15,10 @@ document alone would.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -113,9 +115,13 @@ def shift_left(t: Tensor, by: int) -> Tensor:
 
 
 class NSALayerAttention(nn.Module):
-    """One layer's NSA attention through the module's seams, with statistics and DEBUG switches."""
+    """One layer's NSA attention through the module's seams, with statistics and DEBUG switches.
 
-    def __init__(self, inner: nn.Module, debug: DebugConfig):
+    kv_perturbation (None in training): a function applied to the branch keys/values right before the NSA call,
+    kv_perturbation(layer_index, kv) -> kv; the causal-isolation sentinel uses it to change one branch's keys and
+    values at one position (sentinels/isolation.py)."""
+
+    def __init__(self, inner: nn.Module, debug: DebugConfig, layer_index: int = 0, n_layers: int = 1):
         super().__init__()
         missing = [s for s in _REQUIRED_SEAMS if not hasattr(inner, s)]
         if missing:
@@ -123,21 +129,36 @@ class NSALayerAttention(nn.Module):
                              f"(needs {list(_REQUIRED_SEAMS)})")
         self.inner = inner
         self.debug = debug
+        self.layer_index, self.n_layers = layer_index, n_layers
+        self.kv_perturbation: Callable[[int, BranchKV], BranchKV] | None = None
         self.last_stats: LayerStats | None = None
 
-    def _planted_faults(self, kv: BranchKV, gates: Tensor) -> tuple[BranchKV, Tensor]:
+    def _leaky_kv(self, kv: BranchKV) -> BranchKV | None:
+        """The keys/values of the planted leak (model.debug.leak), or None when no leak applies to this layer."""
         cfg: NSAConfig = self.inner.cfg
-        if self.debug.leak == "kv_next_token":
-            kv = BranchKV(*(KV(shift_left(b.k, 1), shift_left(b.v, 1)) for b in (kv.cmp, kv.slc, kv.win)))
-        elif self.debug.leak == "cmp_block_early":
-            kv = BranchKV(cmp=KV(shift_left(kv.cmp.k, cfg.cmp_stride), shift_left(kv.cmp.v, cfg.cmp_stride)),
-                          slc=kv.slc, win=kv.win)
+        leak = self.debug.leak
+        if leak in ("none", "cross_document"):
+            return None
+        if self.debug.leak_scope == "last_layer" and self.layer_index != self.n_layers - 1:
+            return None
+        if leak == "kv_next_token":
+            return BranchKV(*(KV(shift_left(b.k, 1), shift_left(b.v, 1)) for b in (kv.cmp, kv.slc, kv.win)))
+        if leak in ("cmp_block_early", "cmp_one_early"):
+            by = cfg.cmp_stride if leak == "cmp_block_early" else 1
+            return BranchKV(cmp=KV(shift_left(kv.cmp.k, by), shift_left(kv.cmp.v, by)), slc=kv.slc, win=kv.win)
+        if leak == "win_next_token":
+            return BranchKV(cmp=kv.cmp, slc=kv.slc, win=KV(shift_left(kv.win.k, 1), shift_left(kv.win.v, 1)))
+        if leak == "slc_values_next_token":
+            return BranchKV(cmp=kv.cmp, slc=KV(kv.slc.k, shift_left(kv.slc.v, 1)), win=kv.win)
+        raise ValueError(f"model.debug.leak {leak!r} is not implemented")
+
+    def _planted_gates(self, gates: Tensor) -> Tensor:
         if self.debug.gate_override == "locals_only":
             keep = torch.tensor([0.0, 0.0, 1.0], dtype=gates.dtype, device=gates.device)
-            gates = gates * keep  # Eq. 5 with g_cmp = g_slc = 0
-        elif self.debug.gate_override == "saturated":
-            gates = gates * 0 + 1  # keeps the graph; every gate is exactly 1
-        return kv, gates
+            return gates * keep  # Eq. 5 with g_cmp = g_slc = 0
+        if self.debug.gate_override == "saturated":
+            return gates * 0 + 1  # keeps the graph; every gate is exactly 1
+        return gates
 
     def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
@@ -148,16 +169,30 @@ class NSALayerAttention(nn.Module):
                 raise ValueError(f"position_offset must be 0 with cu_seqlens (positions restart at each "
                                  f"document), got {position_offset}")
             q, kv, gates = self.inner.project(x, cu_seqlens=cu_seqlens)
-        kv, gates = self._planted_faults(kv, gates)
+        gates = self._planted_gates(gates)
+        leaky = self._leaky_kv(kv)
+        one_head = leaky is not None and self.debug.leak_scope == "one_head"
+        if leaky is not None and not one_head:
+            kv = leaky
         # Everything inside the NSA call runs in the dtype of q (the implementations check dtypes match).
         dtype = q.dtype
-        kv = BranchKV(*(KV(b.k.to(dtype), b.v.to(dtype)) for b in (kv.cmp, kv.slc, kv.win)))
-        phi = self.inner.phi_weights()
-        if cu_seqlens is None or self.debug.leak == "cross_document":  # the planted leak drops the boundaries
-            out: NSAOutput = self.inner.functional_forward(q, kv, gates.to(dtype), phi)
-            block_offsets = None
-        else:
-            out = self.inner.functional_forward(q, kv, gates.to(dtype), phi, cu_seqlens=cu_seqlens)
+
+        def nsa(kv: BranchKV) -> NSAOutput:
+            if self.kv_perturbation is not None:
+                kv = self.kv_perturbation(self.layer_index, kv)
+            kv = BranchKV(*(KV(b.k.to(dtype), b.v.to(dtype)) for b in (kv.cmp, kv.slc, kv.win)))
+            phi = self.inner.phi_weights()
+            if cu_seqlens is None or self.debug.leak == "cross_document":  # the planted leak drops the boundaries
+                return self.inner.functional_forward(q, kv, gates.to(dtype), phi)
+            return self.inner.functional_forward(q, kv, gates.to(dtype), phi, cu_seqlens=cu_seqlens)
+
+        out = nsa(kv)
+        if one_head:  # the planted leak reaches query head 0 only
+            o = out.o.clone()
+            o[:, :, 0] = nsa(leaky).o[:, :, 0]
+            out = dataclasses.replace(out, o=o)
+        block_offsets = None
+        if cu_seqlens is not None and self.debug.leak != "cross_document":
             block_offsets = _document_block_offsets(cu_seqlens, self.inner.cfg.sel_block)
         self.last_stats = _layer_stats(gates, out, self.inner.cfg, T, block_offsets)
         return self.inner.o_proj(out.o.reshape(B, T, -1).to(x.dtype))
@@ -195,12 +230,12 @@ def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, nsa: NSAConfig, attention_cls: type[nn.Module]):
+    def __init__(self, cfg: ModelConfig, nsa: NSAConfig, attention_cls: type[nn.Module], layer_index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         inner = attention_cls(cfg.d_model, nsa, gate_hidden=cfg.gate_hidden, phi_hidden=cfg.phi_hidden,
                               rope_base=cfg.rope_base)
-        self.attn = NSALayerAttention(inner, cfg.debug)
+        self.attn = NSALayerAttention(inner, cfg.debug, layer_index, cfg.n_layers)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
@@ -217,7 +252,7 @@ class NSALanguageModel(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(DecoderBlock(cfg, nsa, attention_cls) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(DecoderBlock(cfg, nsa, attention_cls, i) for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self._init_weights()

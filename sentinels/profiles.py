@@ -17,6 +17,21 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+# Every sentinel's name, in the order they run (what `python -m sentinels run --only` accepts).
+SENTINELS = ("causal_isolation", "label_shift", "doc_isolation", "random_label", "causal_isolation_trained",
+             "long_range", "loss_floor", "gate_collapse", "watchdog", "loss_floor_varlen", "gate_collapse_varlen",
+             "watchdog_varlen")
+
+# The causal leaks each profile plants for the self-test (sentinels/plants.py): every one must trip
+# causal_isolation; the random-label rows show the learned sentinel sees a leak at every position and a leak at one
+# position in d through the compressed branch (which the trained isolation check catches too).
+ISOLATION_PLANTS = ("kv_next_token", "cmp_block_early", "cmp_one_early", "cmp_visible_early",
+                    "cmp_visible_early_last_layer", "window_next_key", "win_next_token_last_layer",
+                    "win_next_token_one_head", "slc_values_next_token", "sel_block_unclipped", "sel_next_block",
+                    "sel_score_all_blocks")
+RANDOM_LABEL_PLANTS = ("kv_next_token", "cmp_one_early")
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -25,12 +40,22 @@ class Profile:
     device: str  # cpu | cuda
     precision: str  # fp32 | bf16
     random_label: dict = field(default_factory=dict)  # dotted overrides of the probe config
+    random_label_eval_every: int = 25  # held-out evaluation every this many steps (a planted run stops at a trip)
     long_range: dict = field(default_factory=dict)
     real_text: dict = field(default_factory=dict)  # dotted overrides of the run config
+    real_text_varlen: dict = field(default_factory=dict)  # the same for the packed run
+    real_text_min_steps: int = 0  # the contiguous real-text run must reach this step (else overall INCOMPLETE)
+    real_text_cap_s: float | None = None  # wall-clock cap of that run (None: run_cap_s)
+    plant_run: dict = field(default_factory=dict)  # overrides of the probe config for the gate/NaN/slow-data plants
     gate_collapse_plant_steps: int = 0  # steps of the planted saturated-gate run (> gate_collapse.steps)
     watchdog_plant_steps: int = 30
     label_shift_batches: int = 8
     eval_batches: int = 8
+    isolation_rows: int = 16  # rows per forward of the causal-isolation check (unchanged, probes, control)
+    isolation_random_positions: int = 16  # random positions t besides the block edges (rows longer than 256)
+    isolation_plants: tuple[str, ...] = ISOLATION_PLANTS
+    random_label_plants: tuple[str, ...] = RANDOM_LABEL_PLANTS
+    trained_isolation_plants: tuple[str, ...] = ("cmp_one_early",)
     loss_floor_plant: dict = field(default_factory=dict)  # overrides of the probe config for the planted
     #   kv_next_token leak on real text ({} = not run). A window's last label is never visible, so the leaky loss
     #   stays near ln(V)/seq_len: the plant needs a long seq_len (docs/sentinels.md)
@@ -47,8 +72,12 @@ PROFILES = {
         run_config=CONFIG_DIR / "tiny-cpu.yaml",
         device="cpu",
         precision="fp32",
-        random_label={"train.steps": 150, "train.micro_batch_size": 8, "train.seq_len": 32, "train.lr": 3e-3,
+        # T = 128 = 4 n*l' (16 selection blocks, 4 picked). The leak at one position in d (cmp_one_early) trips
+        # after 100-125 steps (seeds 0-3, `python -m sentinels sensitivity --profile cpu`); 300 steps is 2.4x that
+        random_label={"train.steps": 300, "train.micro_batch_size": 8, "train.seq_len": 128, "train.lr": 1e-2,
                       "train.warmup_steps": 10, "data.synthetic.vocab_size": 64},
+        plant_run={"train.micro_batch_size": 8, "train.seq_len": 32, "train.lr": 3e-3, "train.warmup_steps": 10,
+                   "data.synthetic.vocab_size": 64},
         long_range={"train.steps": 100, "train.micro_batch_size": 16, "train.seq_len": 64, "train.lr": 1e-2,
                     "train.warmup_steps": 10, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
         real_text={"train.steps": 120, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 3e-3,
@@ -63,20 +92,33 @@ PROFILES = {
         run_config=CONFIG_DIR / "prod-125m.yaml",
         device="cuda",
         precision="bf16",
-        random_label={"train.steps": 200, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
+        # T = 512 = 4 n*l' for gpu-smoke.yaml. 600 steps is a provisional default: confirm it with
+        # `python -m sentinels sensitivity --profile gpu` (a leak at 1 position in d = 8 must trip well before)
+        random_label={"train.steps": 600, "train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3,
                       "train.warmup_steps": 20, "data.synthetic.vocab_size": 64},
-        long_range={"train.steps": 200, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
+        random_label_eval_every=50,
+        plant_run={"train.micro_batch_size": 16, "train.seq_len": 512, "train.lr": 2e-3, "train.warmup_steps": 20,
+                   "data.synthetic.vocab_size": 64},
+        # the full model learns the recall within ~30 steps on an H100 (answer loss 0.05 at step 20)
+        long_range={"train.steps": 100, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
-        real_text={"train.steps": 200, "train.micro_batch_size": 8, "train.grad_accum": 1, "train.warmup_steps": 20},
+        # the run config's model and seq_len, one sequence per step: >= 600 steps (a leak that the model learns
+        # slowly collapsed a real run's loss after ~460 steps) inside the profile's 10 minutes
+        real_text={"train.steps": 600, "train.micro_batch_size": 1, "train.grad_accum": 1, "train.warmup_steps": 20},
+        real_text_min_steps=600,
+        real_text_cap_s=240.0,
+        real_text_varlen={"train.steps": 60, "train.micro_batch_size": 1, "train.grad_accum": 1,
+                          "train.warmup_steps": 20},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
+        isolation_rows=8,
         # Byte tokens: with GPT-2 BPE (50257 ids) the leaky 15M probe needs far more than 300 steps to learn the
-        # copy through the leaked key/value (H100, 2026-11-25: min loss 3.57 nats at step 300, falling ~0.5 nats per
-        # 100 steps, so the plant was MISSED); over 256 byte ids the CPU model learned it in ~150 steps at seq_len
-        # 1024. The monitor does not depend on the tokenizer; the run stops at the trip (halt), so steps is a cap.
+        # copy through the leaked key/value (measured on an H100: min loss 3.57 nats at step 300, falling ~0.5 nats
+        # per 100 steps); over 256 byte ids it trips at step ~155. The monitor does not depend on the tokenizer;
+        # the run stops at the trip (halt), so steps is a cap.
         loss_floor_plant={"train.steps": 400, "train.micro_batch_size": 4, "train.seq_len": 2048, "train.lr": 3e-3,
                           "train.warmup_steps": 10, "data.tokenizer": "byte"},
-        budget_s=540.0,  # 480 s before the packed (varlen) real-text run and doc_isolation (issue 9)
+        budget_s=540.0,  # runs start only inside it: the whole profile stays under a 10-minute limit
         run_cap_s=55.0,
     ),
 }

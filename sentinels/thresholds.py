@@ -31,3 +31,7 @@ DOC_ISOLATION_PERTURB_MAX = 1e-5  # max |logit change| in the OTHER documents wh
 #                                   relative to the largest |logit|: a leak-free model changes them not at all
 DOC_ISOLATION_ALONE_MAX = 1e-3  # max |packed logits - the document run alone| relative to the largest |logit|
 #                                 (shapes differ, so fp32 reductions may round differently; TF32 is off for it)
+
+# Causal isolation (sentinels/isolation.py): the run model, untrained and trained, nothing at t moves a logit at p < t.
+CAUSAL_ISOLATION_CUDA_NOISE_FACTOR = 4.0  # CUDA bound = this x the largest control-row difference (0 -> bitwise);
+#                                            CPU (fp32, TF32 off) is always bitwise

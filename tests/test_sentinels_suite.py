@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from sentinels.config import load_config
-from sentinels.profiles import PROFILES
+from sentinels.profiles import PROFILES, SENTINELS
 from sentinels.model import packs_documents
-from sentinels.suite import (FAIL, PASS, WARN, SentinelRunner, cross_boundary_batch, misaligned_batch,
-                             overall_verdict, plant_nan_at)
+from sentinels.plants import PLANTS
+from sentinels.suite import (FAIL, NOT_APPLICABLE, PASS, WARN, SentinelRunner, cross_boundary_batch,
+                             misaligned_batch, overall_verdict, plant_nan_at, worst_position_class)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
@@ -62,8 +63,7 @@ def test_label_shift_passes_clean_and_trips_on_misaligned_labels(tmp_path, corpu
     assert across.verdict == FAIL and "crosses a document boundary" in across.summary
 
 
-# The packed-document sentinels run the optimized module once its seams take cu_seqlens (issue 9), else the
-# reference.
+# The packed-document sentinels run the optimized module when its seams take cu_seqlens, else the reference.
 PACKED_TINY = TINY if packs_documents("optimized") else None
 
 
@@ -95,19 +95,79 @@ def test_real_text_runs_packed_too(tmp_path, corpus):
 
 def test_random_label_clean_passes_and_next_token_leak_trips(tmp_path):
     runner = _runner(tmp_path, random_label=CI_RANDOM_LABEL, eval_batches=4)
-    clean = runner.random_label()
+    clean, trained = runner.random_label()
     assert clean.verdict == PASS, clean.summary
     assert abs(clean.metrics["eval_loss"] - math.log(64)) <= 0.1
-    leak = runner.random_label(leak="kv_next_token")
+    assert [ev["step"] for ev in clean.metrics["evals"]] == [25, 50, 60]
+    assert trained.name == "causal_isolation_trained" and trained.verdict == PASS, trained.summary
+    leak, leak_trained = runner.random_label(PLANTS["kv_next_token"], planted="kv_next_token")
     assert leak.verdict == FAIL, leak.summary
-    assert leak.metrics["gap"] < -0.1
+    assert leak.metrics["first_trip_step"] == 25 and leak.metrics["steps"] == 26  # stopped once tripped
+    assert leak_trained.verdict == FAIL and leak_trained.metrics["stopped_early"]
 
 
-def test_random_label_trips_on_an_early_compressed_block(tmp_path):
-    """The subtler leak (one future token mixed into a compressed block) needs the CPU profile's 150 steps."""
-    runner = _runner(tmp_path, random_label=PROFILES["cpu"].random_label, eval_batches=4)
-    leak = runner.random_label(leak="cmp_block_early")
-    assert leak.verdict == FAIL and leak.metrics["gap"] < -0.1, leak.summary
+def test_worst_position_class_finds_a_leak_at_one_offset():
+    """A leak at one block offset (1 position in l = 8) moves the mean over all positions by an eighth only."""
+    nsa = load_config(TINY).model.nsa_config()  # d = 4, l = l' = 8
+    ln_v = math.log(64)
+    loss = [ln_v] * 64
+    for p in range(7, 64, 8):
+        loss[p] = ln_v - 0.4
+    worst = worst_position_class(loss, ln_v, nsa)
+    assert worst["class"] == "p % 8 == 7" and worst["class_gap"] == pytest.approx(-0.4)
+    assert sum(loss) / 64 - ln_v == pytest.approx(-0.05)  # above the trip line; the class is below it
+    assert worst_position_class([ln_v] * 64, ln_v, nsa)["class_gap"] == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_random_label_trips_on_a_leak_at_one_position_in_d(tmp_path):
+    """The CPU profile's random-label run trips on the compressed branch leaking one token at 1 position in 4 (the
+    query i*d + l - 1 reads a block one token early), at T = 128 where selection selects."""
+    runner = _runner(tmp_path, eval_batches=8)
+    leak = runner.random_label(PLANTS["cmp_one_early"], planted="cmp_one_early", trained_isolation=False)[0]
+    assert leak.verdict == FAIL and leak.metrics["class_gap"] < -0.1, leak.summary
+
+
+def test_causal_isolation_passes_clean_and_trips_on_every_plant(tmp_path):
+    runner = _runner(tmp_path)
+    clean = runner.causal_isolation()
+    assert clean.verdict == PASS and clean.metrics["probes_run"] == 63 * 4, clean.summary
+    for name in PROFILES["cpu"].isolation_plants:
+        row = runner.causal_isolation(PLANTS[name], planted=name)
+        assert row.verdict == FAIL and row.metrics["first"]["p"] < row.metrics["first"]["t"], (name, row.summary)
+
+
+def test_a_seam_plant_that_changes_nothing_is_not_applicable(tmp_path):
+    """A path that calls a replaced seam but computes the rule itself (as a kernel may) shows no leak and no change:
+    the row is "not applicable", never a silent pass of the sentinel."""
+    from sentinels.plants import Plant
+
+    unchanged = Plant("same_rule", "the original window rule, through the seam", "none",
+                      seams={"window_key_visible": lambda original: lambda *args: original(*args)})
+    row = _runner(tmp_path).causal_isolation(unchanged, planted="same_rule")
+    assert row.verdict == NOT_APPLICABLE and row.metrics["seam_calls"] > 0, row.summary
+    assert "logits are those of the unplanted model" in row.summary
+
+
+def test_seed_reseeds_every_run(tmp_path):
+    runner = _runner(tmp_path)
+    runner.seed = 7
+    cfg = runner._config(runner.probe_config, {})
+    assert cfg.train.seed == 7 and cfg.data.shuffle_seed == 7
+    unseeded = _runner(tmp_path)._config(load_config(TINY), {})
+    assert unseeded.train.seed == load_config(TINY).train.seed
+
+
+def test_only_runs_the_named_sentinels_and_their_selftest_rows(tmp_path):
+    runner = _runner(tmp_path)
+    runner.profile = dataclasses.replace(runner.profile, isolation_plants=("window_next_key", "sel_next_block"))
+    results, planted = runner.run_all(only={"causal_isolation"})
+    assert [r.name for r in results] == ["causal_isolation"]
+    assert [(r.planted, r.name, r.tripped) for r in planted] == [
+        ("leak: window_next_key", "causal_isolation", True), ("leak: sel_next_block", "causal_isolation", True)]
+    assert overall_verdict(results, planted) == PASS
+    with pytest.raises(ValueError, match="unknown sentinel"):
+        runner.run_all(only={"random_labels"})
 
 
 def test_real_text_verdicts_and_planted_faults(tmp_path, corpus):
@@ -139,37 +199,49 @@ def test_overall_verdict_rules():
     tripped = SentinelResult("a", FAIL, "", "", planted="x")
     missed = SentinelResult("a", PASS, "", "", planted="x")
     skipped = SentinelResult("a", SKIP, "", "")
+    short = SentinelResult("a", PASS, "", "", incomplete="judged over 22 steps")
+    not_applicable = SentinelResult("a", NOT_APPLICABLE, "", "", planted="x")
     assert overall_verdict([ok, warn], [tripped]) == PASS
     assert overall_verdict([ok, bad], [tripped]) == FAIL
     assert overall_verdict([ok], [missed]) == FAIL  # a planted fault that does not trip fails the suite
     assert overall_verdict([ok, skipped], [tripped]) == "INCOMPLETE"
+    assert overall_verdict([ok, short], [tripped]) == "INCOMPLETE"  # a run shorter than the profile asks
+    assert overall_verdict([ok], [tripped, not_applicable]) == PASS
 
 
 @pytest.mark.slow
 def test_cpu_profile_end_to_end(tmp_path):
-    """The whole CPU profile (about 2 minutes on 2 idle cores): every sentinel PASS, every planted fault trips."""
+    """The whole CPU profile (under 5 minutes on 2 cores): every sentinel PASS, every planted fault trips."""
     proc = subprocess.run([sys.executable, "-m", "sentinels", "run", "--profile", "cpu", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "cpu-cpu.json").read_text())
     assert report["verdict"] == PASS
-    assert {s["name"] for s in report["sentinels"]} == {"label_shift", "doc_isolation", "random_label", "long_range",
-                                                        "loss_floor", "gate_collapse", "watchdog", "loss_floor_varlen",
-                                                        "gate_collapse_varlen", "watchdog_varlen"}
-    assert all(p["tripped"] for p in report["planted"]) and len(report["planted"]) >= 8
+    assert [s["name"] for s in report["sentinels"]] == list(SENTINELS)
+    assert all(p["tripped"] and p["state"] == "tripped (expected)" for p in report["planted"])
+    planted = {(p["planted"], p["name"]) for p in report["planted"]}
+    assert {(f"leak: {name}", "causal_isolation") for name in PLANTS} <= planted
+    assert ("leak: cmp_one_early", "random_label") in planted
     assert all((tmp_path / s["plot"]).exists() for s in report["sentinels"] if s["plot"])
+    assert "tripped (expected)" in (tmp_path / "cpu-cpu.md").read_text()
 
 
 @pytest.mark.slow
-def test_gpu_profile_plumbing_on_cpu(tmp_path, corpus):
+def test_gpu_profile_plumbing_on_cpu(tmp_path, corpus, monkeypatch):
     """Every run of the GPU profile (its probe and run configs, overrides and planted faults) for two steps on
-    the CPU: catches config/plumbing errors before the GPU run. Verdicts at two steps mean nothing."""
+    the CPU, the isolation checks on short rows and a few positions: catches config/plumbing errors before the GPU
+    run. Verdicts at two steps mean nothing."""
     try:
         from sentinels.data.tokenizers import get_tokenizer
 
         get_tokenizer("gpt2")
     except Exception as exc:
         pytest.skip(f"GPT-2 tokenizer unavailable: {exc}")
+    import sentinels.suite as suite
+
+    # the run config's model at 2048 tokens costs minutes per forward on a CPU: check short rows, few positions
+    monkeypatch.setattr(suite, "isolation_length", lambda nsa, seq_len: 2 * nsa.sel_block)
+    monkeypatch.setattr(suite, "probe_positions", lambda nsa, T, **kw: [1, nsa.cmp_block - 1, T - 1])
     gpu = PROFILES["gpu"]
 
     def two_steps(overrides, **extra):
@@ -178,12 +250,15 @@ def test_gpu_profile_plumbing_on_cpu(tmp_path, corpus):
     profile = dataclasses.replace(
         gpu, device="cpu", precision="fp32", random_label=two_steps(gpu.random_label),
         long_range=two_steps(gpu.long_range), real_text=two_steps(gpu.real_text, **{"train.seq_len": 256}),
+        real_text_varlen=two_steps(gpu.real_text_varlen, **{"train.seq_len": 256}), plant_run=two_steps(gpu.plant_run),
         loss_floor_plant=two_steps(gpu.loss_floor_plant), gate_collapse_plant_steps=2, watchdog_plant_steps=2,
-        eval_batches=1, label_shift_batches=1, cpu_threads=1)
+        eval_batches=1, label_shift_batches=1, cpu_threads=1, isolation_plants=("kv_next_token", "window_next_key"),
+        random_label_plants=("kv_next_token",), trained_isolation_plants=("kv_next_token",))
     runner = SentinelRunner(profile, run_config=load_config(gpu.run_config), probe_config=load_config(gpu.probe_config),
                             work_dir=tmp_path / "work", corpus=corpus, budget_s=1800, log=lambda msg: None)
     results, planted = runner.run_all()
-    assert [r.name for r in results] == ["label_shift", "doc_isolation", "random_label", "long_range", "loss_floor",
-                                         "gate_collapse", "watchdog", "loss_floor_varlen", "gate_collapse_varlen",
-                                         "watchdog_varlen"]
-    assert len(planted) == 9 and all(r.verdict != "SKIP" for r in results + planted)
+    assert [r.name for r in results] == list(SENTINELS)
+    assert [(r.planted, r.name) for r in planted][:4] == [
+        ("leak: kv_next_token", "causal_isolation"), ("leak: window_next_key", "causal_isolation"),
+        ("leak: kv_next_token", "random_label"), ("leak: kv_next_token", "causal_isolation_trained")]
+    assert len(planted) == 11 and all(r.verdict != "SKIP" for r in results + planted)

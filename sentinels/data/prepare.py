@@ -2,8 +2,9 @@
 
 wiki: the English Wikipedia excerpt shipped in gensim's test data (gensim==4.4.0,
       gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2), markup
-      stripped with gensim's own wiki filter. Wikipedia text is licensed CC BY-SA (see docs/sentinels.md);
-      the output keeps each article's title and page id for attribution.
+      stripped by sentinels/data/wiki.py. gensim is located, never imported (its wheel alone is enough, without
+      scipy or smart_open). Wikipedia text is licensed CC BY-SA (see docs/sentinels.md); the output keeps each
+      article's title and page id for attribution.
 text: plain-text files, one document per blank-line-separated paragraph.
 """
 
@@ -39,13 +40,13 @@ def _clean(text: str) -> str:
 
 def prepare_wiki(out: Path, min_chars: int = 500) -> dict:
     """Articles of the gensim excerpt (redirects and stubs shorter than min_chars dropped) -> JSONL."""
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+    from .wiki import extract_pages, strip_markup
 
     source = gensim_wiki_excerpt()
     docs, dropped = [], 0
     with bz2.open(source) as fh:
         for title, raw, page_id in extract_pages(fh):
-            text = _clean(filter_wiki(raw))
+            text = _clean(strip_markup(raw))
             if text.upper().startswith("#REDIRECT") or len(text) < min_chars:
                 dropped += 1
                 continue
