@@ -44,9 +44,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         result = trainer.train()
         if trainer.dist.is_main:  # before close(), where the other ranks wait for it
-            print(json.dumps({"status": result.status, "steps_done": result.steps_done,
-                              "halt_reason": result.halt_reason, "run_dir": str(result.run_dir),
-                              "events": [e.kind for e in result.events]}), flush=True)
+            summary = json.dumps({"status": result.status, "steps_done": result.steps_done,
+                                  "halt_reason": result.halt_reason, "run_dir": str(result.run_dir),
+                                  "events": [e.kind for e in result.events]})
+            sys.stdout.write(summary + "\n")  # one write: another rank's log line cannot land inside it
+            sys.stdout.flush()
     finally:
         trainer.close()
     return 0 if result.status == "completed" else 3

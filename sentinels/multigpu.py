@@ -56,6 +56,7 @@ TOLERANCE_FACTOR = 4.0
 THROUGHPUT_GOAL = 0.90
 ANALYSIS_RESERVE_S = 30.0  # of --time-limit-s, kept for comparing checkpoints and writing the report
 RUNS = ("one-gpu", "n-gpu", "halted", "one-gpu-2m")
+NOT_RUN = "NOT RUN"  # the verdict of a check whose runs --runs left out
 
 
 class MultiGpuError(InputError, ValueError):
@@ -180,14 +181,18 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 def trainer_status(log_path: Path) -> str | None:
-    """The status rank 0 of `python -m sentinels train` printed last (its one-line JSON summary), if any."""
+    """The status rank 0 of `python -m sentinels train` printed last (its one-line JSON summary), if any. The ranks
+    share the log, so another rank's output may stand before or after the summary on its line."""
     status = None
+    decoder = json.JSONDecoder()
     for line in log_path.read_text(errors="replace").splitlines():
-        if line.startswith('{"status":'):
-            try:
-                status = json.loads(line)["status"]
-            except (ValueError, KeyError):
-                pass
+        start = line.find('{"status":')
+        if start < 0:
+            continue
+        try:
+            status = decoder.raw_decode(line, start)[0]["status"]
+        except (ValueError, KeyError, TypeError):
+            pass
     return status
 
 
@@ -520,6 +525,10 @@ def run(args: argparse.Namespace) -> int:
                             f"stops before the checkpoint that is compared and its resumed part passes it")
     if args.nproc < 2:
         raise MultiGpuError(f"--nproc must be >= 2, got {args.nproc}")
+    args.selected = tuple(name for name in args.runs.split(",") if name)
+    unknown = sorted(set(args.selected) - set(RUNS))
+    if unknown or not args.selected:
+        raise MultiGpuError(f"--runs must name some of {', '.join(RUNS)}, got {args.runs!r}")
     base = load_config(args.config, args.override)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="multigpu-"))
@@ -594,10 +603,14 @@ def _run_all(args, base: RunConfig, out: Path, work: Path, started: float, deadl
         if halts is not None:
             phase.detail = f"stopped after steps {[leg['stopped_after'] for leg in phase.legs]}"
 
-    one_process("one-gpu", "interleave")
-    ranks("n-gpu")
-    ranks("halted", halts=[args.halt_at, args.resume_until])
-    one_process("one-gpu-2m", "concat")
+    if "one-gpu" in args.selected:
+        one_process("one-gpu", "interleave")
+    if "n-gpu" in args.selected:
+        ranks("n-gpu")
+    if "halted" in args.selected:
+        ranks("halted", halts=[args.halt_at, args.resume_until])
+    if "one-gpu-2m" in args.selected:
+        one_process("one-gpu-2m", "concat")
 
     curves = {name: history(runs[name]) for name in RUNS}
     summary = analyse(args, base, cfgs, runs, curves, phases, work, out, data_text, started)
@@ -606,7 +619,7 @@ def _run_all(args, base: RunConfig, out: Path, work: Path, started: float, deadl
     print(f"report: {out / 'report.md'}")
     for name, verdict in summary["verdicts"].items():
         print(f"{name:14s} {verdict['verdict']:8s} {verdict['detail']}")
-    return 0 if all(v["verdict"] in ("PASS", "NOT JUDGED") for v in summary["verdicts"].values()) else 1
+    return 0 if all(v["verdict"] in ("PASS", "NOT JUDGED", NOT_RUN) for v in summary["verdicts"].values()) else 1
 
 
 def analyse(args, base: RunConfig, cfgs: dict[str, RunConfig], runs: dict[str, Path],
@@ -621,7 +634,14 @@ def analyse(args, base: RunConfig, cfgs: dict[str, RunConfig], runs: dict[str, P
     ab = comparison["n-gpu"]
     complete = (phases["one-gpu"].status == phases["n-gpu"].status == "completed"
                 and ab["steps"] == args.steps)
-    if not complete:
+    def not_run(*names: str) -> dict[str, str] | None:
+        """The NOT RUN verdict of a check that needs runs --runs left out, else None."""
+        missing = [name for name in names if name not in args.selected]
+        return {"verdict": NOT_RUN, "detail": f"--runs left out {', '.join(missing)}"} if missing else None
+
+    if not_run("one-gpu", "n-gpu"):
+        verdicts["loss curves"] = not_run("one-gpu", "n-gpu")
+    elif not complete:
         verdicts["loss curves"] = {"verdict": "FAIL", "detail": "the one-GPU or the N-GPU run did not complete"}
     elif tolerance is None:
         same = ab["max_abs"] == 0
@@ -638,7 +658,10 @@ def analyse(args, base: RunConfig, cfgs: dict[str, RunConfig], runs: dict[str, P
 
     warm = min(args.warmup, max(0, args.steps // 2))
     tp = {name: throughput(curves[name], gpus, warm) for name, gpus in (("one-gpu", 1), ("n-gpu", n))}
-    if tp["one-gpu"] and tp["n-gpu"]:
+    if not_run("one-gpu", "n-gpu"):
+        ratio = None
+        verdicts["throughput"] = not_run("one-gpu", "n-gpu")
+    elif tp["one-gpu"] and tp["n-gpu"]:
         ratio = tp["n-gpu"]["tokens_per_s_per_gpu"] / tp["one-gpu"]["tokens_per_s_per_gpu"]
         detail = (f"per GPU {tp['n-gpu']['tokens_per_s_per_gpu']:.0f} tokens/s on {n} GPUs, "
                   f"{tp['one-gpu']['tokens_per_s_per_gpu']:.0f} on 1 ({tp['n-gpu']['judged']} time): {ratio:.3f} "
@@ -651,7 +674,9 @@ def analyse(args, base: RunConfig, cfgs: dict[str, RunConfig], runs: dict[str, P
         verdicts["throughput"] = {"verdict": "FAIL", "detail": "a run did not log enough steps"}
 
     halt = None
-    if phases["halted"].status == "halted and resumed" and phases["n-gpu"].status == "completed":
+    if not_run("n-gpu", "halted"):
+        verdicts["halt/resume"] = not_run("n-gpu", "halted")
+    elif phases["halted"].status == "halted and resumed" and phases["n-gpu"].status == "completed":
         halt = halt_resume_check(runs["n-gpu"], runs["halted"], args.save_every, work / "scratch",
                                  phases["halted"].legs)
         ck = halt["checkpoint"]
@@ -713,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--halt-at", type=int, default=40, help="first .HALT once this step is logged")
     parser.add_argument("--resume-until", type=int, default=110, help="second .HALT once this step is logged")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput medians")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help=f"the runs to make, comma-separated (default all: {','.join(RUNS)}); a check whose "
+                             f"runs are left out is NOT RUN, e.g. --runs n-gpu,halted checks only halt/resume")
     parser.add_argument("--time-limit-s", type=float, default=540.0, help="wall-clock limit of the whole command")
     parser.add_argument("--work-dir", help="where the runs and checkpoints go (default: a temporary directory)")
     parser.add_argument("--keep-runs", action="store_true", help="keep the temporary work directory")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sentinels import multigpu
 from sentinels.multigpu import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,11 +54,45 @@ def test_the_multi_gpu_check_runs_end_to_end_on_cpu_ranks(tmp_path):
         "halted.leg1.log", "halted.leg2.log", "n-gpu.log", "one-gpu-2m.log", "one-gpu.log"]
 
 
+@pytest.mark.slow
+def test_runs_selects_the_halt_resume_check_alone(tmp_path):
+    """--runs n-gpu,halted makes only the runs halt/resume needs; the other checks are NOT RUN, not FAIL."""
+    out = tmp_path / "report"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sentinels.multigpu", "--out", str(out), "--config", str(TINY), "--device", "cpu",
+         "--data", "synthetic", "--steps", "14", "--seq-len", "32", "--micro-batch", "2", "--warmup-steps", "2",
+         "--save-every", "7", "--halt-at", "2", "--resume-until", "9", "--warmup", "2", "--runs", "n-gpu,halted",
+         "--work-dir", str(tmp_path / "work"), "--time-limit-s", "240"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    verdicts = {name: v["verdict"] for name, v in summary["verdicts"].items()}
+    assert verdicts == {"loss curves": "NOT RUN", "throughput": "NOT RUN", "halt/resume": "PASS"}, summary["verdicts"]
+    assert [p["status"] for p in summary["phases"]] == ["not run", "completed", "halted and resumed", "not run"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["halted.leg1.log", "halted.leg2.log", "n-gpu.log"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--halt-at", "120"], "need 1 <= --halt-at (120) < --save-every (100)"),
+    (["--runs", "n-gpu,twice"], "--runs must name some of one-gpu, n-gpu, halted, one-gpu-2m"),
     (["--nproc", "1"], "--nproc must be >= 2"),
 ])
 def test_inconsistent_arguments_are_one_line(tmp_path, capsys, args, message):
     assert main(["--out", str(tmp_path), "--config", str(TINY), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_trainer_status_is_read_when_another_rank_writes_on_its_line(tmp_path):
+    """The ranks share one log: rank 1's log line can land right after rank 0's JSON summary, before its newline
+    (as seen under torchrun on two GPUs), and a line of another rank can come before it."""
+    log = tmp_path / "leg.log"
+    log.write_text('step 41\n{"status": "halted", "steps_done": 42, "events": []}2026-01-01 00:00:00,000 WARNING '
+                   'sentinels.train: run halted after 42 of 200 steps (rank 1)\n'
+                   'W1125 torchrun: Sending process 894 closing signal SIGTERM\n')
+    assert multigpu.trainer_status(log) == "halted"
+    log.write_text('rank 1 says hi {"status": "completed", "steps_done": 3}\n')
+    assert multigpu.trainer_status(log) == "completed"
+    log.write_text("no summary at all\n")
+    assert multigpu.trainer_status(log) is None
