@@ -493,6 +493,14 @@ def report_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shown_path(path: Path) -> str:
+    """A path as the report shows it: relative to the repository when inside it (no machine paths in reports)."""
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def _setup_facts(cfg: RunConfig, run_dir: Path, nproc: int) -> dict[str, Any]:
     from .model import count_parameters_for
 
@@ -704,7 +712,7 @@ def analyse(args, base: RunConfig, cfgs: dict[str, RunConfig], runs: dict[str, P
     write_csv(out / "throughput.csv", [{"run": k, **v} for k, v in tp.items() if v])
     command = "python -m sentinels.multigpu " + " ".join(args.argv)
     return {
-        "command": command, "config": str(args.config), "config_name": base.name, "nproc": n,
+        "command": command, "config": _shown_path(args.config), "config_name": base.name, "nproc": n,
         "parallel": args.parallel, "device": args.device, "steps": args.steps, "seq_len": args.seq_len,
         "micro_batch": args.micro_batch, "warmup_steps": args.warmup_steps, "save_every": args.save_every,
         "data": data_text, "setup": _setup_facts(cfgs["n-gpu"], runs["n-gpu"], n),
