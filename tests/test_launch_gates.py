@@ -198,12 +198,25 @@ def test_conformance_evidence(tmp_path):
 
 def test_sentinels_evidence_checks_the_tested_config(tmp_path):
     check = sentinels_evidence("h1")
-    ok = {"profile": "gpu", "verdict": "PASS", "run_config": {"hash": "h1"}, "sentinels": []}
+    ok = {"profile": "gpu", "verdict": "PASS", "run_config": {"hash": "h1"}, "sentinels": [], "selftest": True,
+          "only": None}
     assert check([write(tmp_path / "a.json", ok)]) is None
     assert "'cpu' profile" in check([write(tmp_path / "e.json", {**ok, "profile": "cpu"})])
     assert "tested run config h2" in check([write(tmp_path / "b.json", {**ok, "run_config": {"hash": "h2"}})])
     assert "verdict 'FAIL'" in check([write(tmp_path / "c.json", {**ok, "verdict": "FAIL"})])
     assert "no sentinel report" in check([])
+
+
+def test_sentinels_evidence_needs_the_whole_suite(tmp_path):
+    """A PASS of a subset (`--only`) or without the planted faults (`--no-selftest`) is not evidence for a launch:
+    it proves neither that every sentinel passed nor that the sentinels can trip."""
+    check = sentinels_evidence("h1")
+    ok = {"profile": "gpu", "verdict": "PASS", "run_config": {"hash": "h1"}, "sentinels": [], "selftest": True,
+          "only": None}
+    assert "--only" in check([write(tmp_path / "a.json", {**ok, "only": ["random_label"]})])
+    assert "self-test" in check([write(tmp_path / "b.json", {**ok, "selftest": False})])
+    assert "self-test" in check([write(tmp_path / "c.json", {k: v for k, v in ok.items() if k != "selftest"})])
+    assert check([write(tmp_path / "d.json", {**ok, "only": []})]) is None
 
 
 # -- code identity --------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def conformance_evidence(reports: list[Path]) -> str | None:
 
 def sentinels_evidence(config_hash: str) -> Callable[[list[Path]], str | None]:
     def check(reports: list[Path]) -> str | None:
-        """A GPU-profile sentinel report (sentinels/report.py), verdict PASS, whose run config is the one to launch."""
+        """A GPU-profile sentinel report (sentinels/report.py) of the whole suite (no `--only`, the self-test of
+        planted faults included), verdict PASS, whose run config is the one to launch."""
         found = [(p, d) for p in reports if (d := _load(p)) is not None and "sentinels" in d]
         if not found:
             return "it wrote no sentinel report (reports/sentinels/*.json)"
@@ -78,6 +79,11 @@ def sentinels_evidence(config_hash: str) -> Callable[[list[Path]], str | None]:
                 return f"{path} tested run config {tested}, not the config to launch ({config_hash})"
             if data.get("verdict") != "PASS":
                 return f"{path} has verdict {data.get('verdict')!r}"
+            if data.get("only"):
+                return f"{path} ran only {data.get('only')} (--only): a launch needs every sentinel"
+            if data.get("selftest") is not True:
+                return (f"{path} ran without the self-test (--no-selftest): a launch needs the planted faults "
+                        f"to trip")
         return None
 
     return check
