@@ -1,4 +1,4 @@
-"""data.packing varlen (issue 9 item 5): packed rows keep document boundaries; labels never cross them (checked
+"""data.packing varlen: packed rows keep document boundaries; labels never cross them (checked
 per document, loudly); the LM on a packed row computes what each document alone would; training resumes bit for
 bit; the trainer CLI's --packing flag; telemetry and metadata record the packing mode."""
 
@@ -28,8 +28,8 @@ TINY = ROOT / "configs" / "tiny-cpu.yaml"
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
-# The attention every trainer test here runs: the optimized module once its seams take cu_seqlens (issue 9),
-# else the reference.
+# The attention every trainer test here runs: the optimized module when its seams take cu_seqlens, else the
+# reference.
 PACKED_ATTENTION = "optimized" if packs_documents("optimized") else "reference"
 
 

@@ -7,7 +7,7 @@ torch expression's gradient as the low-precision reference.
 Without CUDA the kernel runs in Triton's interpreter on fp32 (fp64 arithmetic) and fp16 (fp32 arithmetic) inputs;
 bf16 outputs need the GPU: the interpreter converts fp32 to bf16 by truncating (triton.runtime.interpreter
 _convert_float), where the GPU rounds to nearest even as torch does. With CUDA every case runs compiled, bf16
-and a paper-sized layer output included (scripts/gpu_session.sh checks / range).
+and a paper-sized layer output included (`pytest tests/kernels/test_kernel_gated_sum.py` on a GPU host).
 """
 
 from __future__ import annotations
