@@ -50,6 +50,8 @@ def third_party_imports() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for path in python_files():
         for name in imported_modules(path.read_text()) - LOCAL - set(sys.stdlib_module_names) - {"__future__"}:
+            if (path.parent / f"{name}.py").is_file() or (path.parent / name).is_dir():
+                continue  # a module beside the importing file (a test helper on pytest's rootdir path)
             found.setdefault(name, []).append(str(path.relative_to(REPO)))
     return found
 

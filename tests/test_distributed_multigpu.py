@@ -22,17 +22,24 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 
 
-@pytest.mark.slow
-def test_the_multi_gpu_check_runs_end_to_end_on_cpu_ranks(tmp_path):
+def run_on_cpu_ranks(tmp_path: Path, *extra: str) -> Path:
+    """The command on two gloo ranks with the tiny config (14 steps, .HALT after step 2, checkpoint at step 7);
+    returns its --out folder after checking it exited 0."""
     out = tmp_path / "report"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "sentinels.multigpu", "--out", str(out), "--config", str(TINY), "--device", "cpu",
          "--data", "synthetic", "--steps", "14", "--seq-len", "32", "--micro-batch", "2", "--warmup-steps", "2",
          "--save-every", "7", "--halt-at", "2", "--resume-until", "9", "--warmup", "2",
-         "--work-dir", str(tmp_path / "work"), "--time-limit-s", "240"],
+         "--work-dir", str(tmp_path / "work"), "--time-limit-s", "240", *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_multi_gpu_check_runs_end_to_end_on_cpu_ranks(tmp_path):
+    out = run_on_cpu_ranks(tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     verdicts = {name: v["verdict"] for name, v in summary["verdicts"].items()}
     assert verdicts == {"loss curves": "PASS", "throughput": "NOT JUDGED", "halt/resume": "PASS"}, summary["verdicts"]
@@ -57,15 +64,7 @@ def test_the_multi_gpu_check_runs_end_to_end_on_cpu_ranks(tmp_path):
 @pytest.mark.slow
 def test_runs_selects_the_halt_resume_check_alone(tmp_path):
     """--runs n-gpu,halted makes only the runs halt/resume needs; the other checks are NOT RUN, not FAIL."""
-    out = tmp_path / "report"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "sentinels.multigpu", "--out", str(out), "--config", str(TINY), "--device", "cpu",
-         "--data", "synthetic", "--steps", "14", "--seq-len", "32", "--micro-batch", "2", "--warmup-steps", "2",
-         "--save-every", "7", "--halt-at", "2", "--resume-until", "9", "--warmup", "2", "--runs", "n-gpu,halted",
-         "--work-dir", str(tmp_path / "work"), "--time-limit-s", "240"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = run_on_cpu_ranks(tmp_path, "--runs", "n-gpu,halted")
     summary = json.loads((out / "summary.json").read_text())
     verdicts = {name: v["verdict"] for name, v in summary["verdicts"].items()}
     assert verdicts == {"loss curves": "NOT RUN", "throughput": "NOT RUN", "halt/resume": "PASS"}, summary["verdicts"]
