@@ -65,10 +65,12 @@ def tests(session: nox.Session) -> None:
     """Unit tests and the conformance suite on CPU (the CI command): everything not marked slow (the reference as
     the suite's implementation, our kernels in Triton's interpreter (tests/kernels), the self-test), then the
     conformance properties against optimized with the baseline comparison, then the CPU report cards of the public
-    NSA libraries (the `thirdparty` extra), each compared with its committed baseline entry (a lost test fails)."""
+    NSA libraries (the `thirdparty` extra), each compared with its committed baseline entry (a lost test fails).
+    The unit tests run on one pytest-xdist worker per core (at most 4; `-- -n N` chooses)."""
     install_cpu(session, extras="dev,triton,data,plots,thirdparty")
     single_thread = {"OMP_NUM_THREADS": "1"}  # tiny tensors: intra-op threads only add overhead on 2 cores
-    session.run("pytest", "-q", "-m", "not slow", *session.posargs, env=single_thread)
+    session.run("pytest", "-q", "-m", "not slow", *xdist_workers(session.posargs, cores_per_worker=1, most=4),
+                *session.posargs, env=single_thread)
     session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized", env=single_thread)
     session.run("python", "-m", "conformance.cards", "--check", "--jobs", "2", "--out",
                 f"{session.create_tmp()}/cards", env=single_thread)
@@ -101,11 +103,11 @@ def conformance(session: nox.Session) -> None:
                 env={"OMP_NUM_THREADS": "1"})  # tiny tensors: intra-op threads only add overhead
 
 
-def xdist_workers(posargs: list[str]) -> list[str]:
-    """`-n N` for pytest-xdist when it is installed and posargs do not choose: the GPU suite's time goes into
-    compiling Triton kernels on the host CPUs (measured on an H100 host, 16 cores: float32 107 s, bfloat16 196 s
-    with 5 workers, where one process ran past 600 s), so the workers share the compile work; the GPU holds
-    them all (each test is small)."""
+def xdist_workers(posargs: list[str], *, cores_per_worker: int, most: int) -> list[str]:
+    """`-n N` for pytest-xdist when it is installed and posargs do not choose: one worker per `cores_per_worker`
+    CPU cores, at most `most`. The CPU tests are single-threaded (one worker per core); the GPU suites spend their
+    time compiling Triton kernels on the host while the GPU holds every worker's small tests (one worker per two
+    cores)."""
     import importlib.util
     import os
 
@@ -113,7 +115,7 @@ def xdist_workers(posargs: list[str]) -> list[str]:
         return []
     if importlib.util.find_spec("xdist") is None:
         return []
-    return ["-n", str(max(1, min(6, (os.cpu_count() or 2) // 2)))]
+    return ["-n", str(max(1, min(most, (os.cpu_count() or 2) // cores_per_worker)))]
 
 
 @nox.session(name="conformance-gpu", venv_backend="none")
@@ -130,7 +132,7 @@ def conformance_gpu(session: nox.Session) -> None:
     for dtype in ("float32", "bfloat16"):
         session.run(sys.executable, "-m", "pytest", "-q", "conformance", "--properties-only", "--impl", "optimized",
                     "--device", "cuda", "--dtype", dtype, "--report-dir", "reports/conformance",
-                    *xdist_workers(session.posargs), *session.posargs, external=True)
+                    *xdist_workers(session.posargs, cores_per_worker=2, most=6), *session.posargs, external=True)
 
 
 @nox.session(venv_backend="none")
