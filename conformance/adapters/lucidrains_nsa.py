@@ -29,8 +29,9 @@ shows each:
 
 How the adapter reaches the contract's stages through that API (make_module below is the layer as users build it):
 - nsa_forward builds a SparseAttention whose projections pass the contract's inputs through: x carries q, k, v and
-  the gates side by side, to_qkv and combine_heads get identity weights; norm=False; the rotary frequencies (its
-  parameter `rotary_emb.freqs`) are set to 0, so RoPE is the identity;
+  the gates side by side, to_qkv is replaced by taking x's q, k, v columns (no matmul, so a NaN in q stays in q),
+  combine_heads gets identity weights; norm=False; the rotary frequencies (its parameter `rotary_emb.freqs`) are
+  set to 0, so RoPE is the identity;
 - phi: compress_mlp (a constructor argument) is mean pooling (phi="avg"), or the contract's MLP on the block plus
   the contract's position embedding (phi="mlp": the k and v copies, attributes k_compress / v_compress, get the
   contract's two MLPs);
@@ -90,6 +91,18 @@ class ContractPhi(nn.Module):
         return torch.nn.functional.pad(out, (0, blocks.shape[-1] - self.dim))
 
 
+class Columns(nn.Module):
+    """A projection replaced by the first `width` columns of x: q, k and v reach the layer as given (a Linear with
+    an identity block would add 0 * x[other] terms, so a NaN in q would also reach k and v)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[..., : self.width]
+
+
 class GateColumns(nn.Module):
     """The gate network replaced by the contract's gates: the gate columns of x as [b, heads, n, 3]."""
 
@@ -142,11 +155,10 @@ def _layer(cfg: NSAConfig, phi, dtype, device) -> tuple[nn.Module, int]:
         selection_block_size=cfg.sel_block, num_selected_blocks=cfg.n_sel - 1, num_compressed_mem_kv=1, causal=True,
         norm=False, compress_mlp=MeanPool(),
     ).to(device=device, dtype=dtype)
+    layer.to_qkv = Columns(width)
     layer.to_strategy_combine = GateColumns(width, Hq)
     with torch.no_grad():
         layer.rotary_emb.freqs.zero_()
-        layer.to_qkv.weight.zero_()
-        layer.to_qkv.weight[:, :width] = torch.eye(width, dtype=dtype, device=device)
         layer.combine_heads.weight.zero_()
         layer.combine_heads.weight[: Hq * D] = torch.eye(Hq * D, dtype=dtype, device=device)
         layer.compress_mem_kv.zero_()
