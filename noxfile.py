@@ -69,7 +69,8 @@ def tests(session: nox.Session) -> None:
     The unit tests run on one pytest-xdist worker per core (at most 4; `-- -n N` chooses)."""
     install_cpu(session, extras="dev,triton,data,plots,thirdparty")
     single_thread = {"OMP_NUM_THREADS": "1"}  # tiny tensors: intra-op threads only add overhead on 2 cores
-    session.run("pytest", "-q", "-m", "not slow", *xdist_workers(session.posargs, cores_per_worker=1, most=4),
+    session.run("pytest", "-q", "-m", "not slow",
+                *xdist_workers(session.posargs, cores_per_worker=1, most=4, installed=True),
                 *session.posargs, env=single_thread)
     session.run("pytest", "-q", "conformance", "--properties-only", "--impl", "optimized", env=single_thread)
     session.run("python", "-m", "conformance.cards", "--check", "--jobs", "2", "--out",
@@ -103,17 +104,18 @@ def conformance(session: nox.Session) -> None:
                 env={"OMP_NUM_THREADS": "1"})  # tiny tensors: intra-op threads only add overhead
 
 
-def xdist_workers(posargs: list[str], *, cores_per_worker: int, most: int) -> list[str]:
-    """`-n N` for pytest-xdist when it is installed and posargs do not choose: one worker per `cores_per_worker`
-    CPU cores, at most `most`. The CPU tests are single-threaded (one worker per core); the GPU suites spend their
-    time compiling Triton kernels on the host while the GPU holds every worker's small tests (one worker per two
-    cores)."""
+def xdist_workers(posargs: list[str], *, cores_per_worker: int, most: int, installed: bool = False) -> list[str]:
+    """`-n N` for pytest-xdist when it is there and posargs do not choose: one worker per `cores_per_worker` CPU
+    cores, at most `most`. The CPU tests are single-threaded (one worker per core); the GPU suites spend their time
+    compiling Triton kernels on the host while the GPU holds every worker's small tests (one worker per two cores).
+    `installed`: the session's own venv has pytest-xdist (the dev extra declares it); otherwise the interpreter
+    running nox is asked, which is the one a `venv_backend="none"` session runs pytest with."""
     import importlib.util
     import os
 
     if "-n" in posargs or any(a.startswith("--numprocesses") for a in posargs):
         return []
-    if importlib.util.find_spec("xdist") is None:
+    if not installed and importlib.util.find_spec("xdist") is None:
         return []
     return ["-n", str(max(1, min(most, (os.cpu_count() or 2) // cores_per_worker)))]
 

@@ -31,14 +31,22 @@ class RecordingSession:
     def run(self, *args: str, **kwargs) -> None:
         self.runs.append(args)
 
+    def create_tmp(self) -> str:
+        return "/tmp/session-tmp"
+
 
 @pytest.fixture(scope="module")
-def conformance_session():
+def cpu_sessions():
     spec = importlib.util.spec_from_file_location("noxfile_conformance_under_test", REPO / "noxfile.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.torch_cpu_index = lambda session: []  # no probe of PyTorch's index from a test
-    return dict(nox_registry.get())["conformance"]
+    return dict(nox_registry.get())
+
+
+@pytest.fixture(scope="module")
+def conformance_session(cpu_sessions):
+    return cpu_sessions["conformance"]
 
 
 def report_dirs(session_func, posargs: list[str]) -> list[str]:
@@ -77,3 +85,18 @@ def test_update_baseline_writes_the_committed_reports(conformance_session, git_c
 @pytest.mark.parametrize("posargs", [["--report-dir", "/tmp/elsewhere"], ["--report-dir=/tmp/elsewhere"]])
 def test_an_explicit_report_dir_wins(conformance_session, posargs):
     assert report_dirs(conformance_session, posargs + ["--update-baseline"])[-1] == "/tmp/elsewhere"
+
+
+def test_the_unit_tests_run_on_xdist_workers_when_nox_itself_lacks_xdist(cpu_sessions, monkeypatch):
+    """The CI command runs nox from an interpreter with nox only; the tests session's venv has pytest-xdist (the dev
+    extra), so its first pytest command spreads over the cores unless posargs choose."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xdist" else
+                        real_find_spec(name, *a))
+    session = RecordingSession([])
+    cpu_sessions["tests"](session)
+    first = session.runs[0]
+    assert first[0] == "pytest" and "-n" in first, first
+    session = RecordingSession(["-n", "1"])
+    cpu_sessions["tests"](session)
+    assert session.runs[0].count("-n") == 1, session.runs[0]
