@@ -63,7 +63,6 @@ CATEGORIES = {  # region -> category (the table's row)
     "norms": "embedding, norms, residual adds, LM head, loss",
     "embedding": "embedding, norms, residual adds, LM head, loss",
     "block": "embedding, norms, residual adds, LM head, loss",
-    "lm_head": "embedding, norms, residual adds, LM head, loss",
     "loss": "embedding, norms, residual adds, LM head, loss",
     "optimizer": "optimizer (gradient clipping, AdamW)",
 }
@@ -134,7 +133,6 @@ def _ranged(name: str, fn):
 def regions(trainer) -> Iterator[None]:
     """Install the named ranges on the trainer's model, loss and optimizer; remove them on exit."""
     import sentinels.model
-    import sentinels.trainer
 
     model, ranges = trainer.model, _Ranges()
     patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) restored on exit
@@ -152,7 +150,6 @@ def regions(trainer) -> Iterator[None]:
     try:
         ranges.hook(model.embed, "embedding")
         ranges.hook(model.final_norm, "norms")
-        ranges.hook(model.lm_head, "lm_head")
         for block in model.blocks:
             ranges.hook(block, "block")  # what the block itself runs: the residual adds
             ranges.hook(block.attn_norm, "norms")
@@ -175,7 +172,7 @@ def regions(trainer) -> Iterator[None]:
                 wrap_method(inner, "project", "attention/project")
                 wrap_method(inner, "functional_forward", "attention/nsa")
         patch(sentinels.model, "_layer_stats", "attention/statistics")
-        patch(sentinels.trainer, "lm_loss", "loss")
+        patch(sentinels.model, "lm_head_loss", "loss")  # the LM head and the loss, chunked (the trainer's path)
         patch(torch.nn.utils, "clip_grad_norm_", "optimizer")
         yield
     finally:

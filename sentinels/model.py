@@ -271,9 +271,12 @@ class NSALanguageModel(nn.Module):
             nn.init.normal_(block.mlp.down_proj.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
             nn.init.normal_(block.attn.inner.o_proj.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, *, labels: Tensor | None = None,
+                loss_mask: Tensor | None = None) -> Tensor:
         """Logits [B, T, vocab] for input ids [B, T]; with cu_seqlens (packed documents, B = 1) every layer keeps
-        the documents apart."""
+        the documents apart. With labels [B, T] (and an optional 0/1 loss_mask), the mean next-token loss instead:
+        the LM head and the cross-entropy run over row chunks (lm_head_loss), so the [B, T, vocab] logits never
+        exist at once (4.9 GiB of fp32 logits per 16k tokens at a 50k vocabulary, before their gradient)."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None:
@@ -284,7 +287,12 @@ class NSALanguageModel(nn.Module):
                 x = checkpoint(block, x, cu_seqlens, use_reentrant=False)
             else:
                 x = block(x, cu_seqlens)
-        return self.lm_head(self.final_norm(x))
+        x = self.final_norm(x)
+        if labels is not None:
+            return lm_head_loss(x, self.lm_head.weight, labels, loss_mask)
+        if loss_mask is not None:
+            raise ValueError("loss_mask needs labels: forward(input_ids, labels=..., loss_mask=...)")
+        return self.lm_head(x)
 
     def layer_stats(self) -> list[LayerStats]:
         stats = [block.attn.last_stats for block in self.blocks]
@@ -319,3 +327,71 @@ def lm_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor | None = None) -> 
     if total.item() == 0:
         raise ValueError("loss_mask selects no position")
     return (flat * weights).sum() / total
+
+
+IGNORE_INDEX = -100  # a label that adds nothing to the loss (F.cross_entropy's default ignore_index)
+LOSS_CHUNK_ROWS = 4096  # rows of hidden states per chunk of lm_head_loss: 0.8 GiB of fp32 logits at a 50k vocabulary
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """sum_i w_i CE(h_i W^T, y_i) / sum_i w_i over row chunks of h. The loss is the end of the graph, so the
+    gradients are computed in forward, chunk by chunk (dlogits = w_i / sum w (softmax - onehot)), and backward only
+    scales them: no logits are kept, and no extra matmul is spent recomputing them."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, weights: Tensor, total: Tensor,
+                compute_dtype: torch.dtype, chunk_rows: int) -> Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        w = weight.to(compute_dtype)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, h.shape[0], chunk_rows):
+                rows = slice(start, start + chunk_rows)
+                hc, yc = h[rows].to(compute_dtype), labels[rows]
+                ignored = yc == IGNORE_INDEX  # F.cross_entropy's ignore_index: no loss, no gradient, still counted
+                yc = yc.masked_fill(ignored, 0)
+                wc = weights[rows].masked_fill(ignored, 0) / total
+                logits = (hc @ w.t()).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                target = logits.gather(1, yc[:, None]).squeeze(1)
+                loss += ((lse - target) * wc).sum()
+                dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+                dlogits[torch.arange(yc.shape[0], device=yc.device), yc] -= 1
+                dlogits = (dlogits * wc[:, None]).to(compute_dtype)
+                grad_h[rows] = (dlogits @ w).to(h.dtype)
+                grad_w += (dlogits.t() @ hc).float()
+        ctx.save_for_backward(grad_h.view_as(hidden), grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, \
+            None, None
+
+
+def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tensor | None = None, *,
+                 chunk_rows: int = LOSS_CHUNK_ROWS) -> Tensor:
+    """lm_loss(hidden @ weight.T, labels, loss_mask) without the [.., vocab] logits: the head and the fp32
+    cross-entropy over chunks of chunk_rows rows. Under autocast the head's matmuls run in the autocast dtype
+    as nn.Linear's would; the loss and its softmax are fp32."""
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden's without its last dim), "
+                         f"got {tuple(labels.shape)}")
+    flat_labels = labels.reshape(-1)
+    if loss_mask is None:
+        weights = torch.ones(flat_labels.shape, dtype=torch.float32, device=hidden.device)
+        total = torch.tensor(float(flat_labels.numel()), device=hidden.device)
+    else:
+        weights = loss_mask.reshape(-1).to(torch.float32)
+        total = weights.sum()
+        if total.item() == 0:
+            raise ValueError("loss_mask selects no position")
+    device_type = hidden.device.type
+    compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                     else torch.promote_types(hidden.dtype, weight.dtype))
+    return _ChunkedHeadCrossEntropy.apply(hidden, weight, flat_labels, weights, total, compute_dtype,
+                                          max(1, chunk_rows))

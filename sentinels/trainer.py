@@ -62,7 +62,7 @@ from .distributed import (DistInfo, clip_grad_norm, diverged_parameters, gather_
                           init_distributed, load_sharded_state, on_every_rank, require_fsdp, save_sharded_tensors,
                           sharded_state, wrap_model)
 from .errors import InputError, ReportedElsewhere
-from .model import NSALanguageModel, build_model, count_parameters, lm_loss
+from .model import NSALanguageModel, build_model, count_parameters
 from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
 from .launch.gonogo import authorize_training
 from .telemetry import ProgressBar, Telemetry
@@ -673,9 +673,8 @@ class Trainer:
             if device_span is not None and micro == 0:
                 device_span[0].record()
             with gradient_sync(net, sync=micro == cfg.grad_accum - 1):
-                with self._autocast():
-                    logits = net(batch.inputs, batch.cu_seqlens)
-                loss = lm_loss(logits, batch.labels, batch.loss_mask)
+                with self._autocast():  # the loss without the full logits (NSALanguageModel.forward)
+                    loss = net(batch.inputs, batch.cu_seqlens, labels=batch.labels, loss_mask=batch.loss_mask)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
             for i, s in enumerate(self.model.layer_stats()):

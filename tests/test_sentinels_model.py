@@ -11,7 +11,7 @@ import torch
 from reference.contract import BRANCHES
 from sentinels.config import load_config
 from sentinels.data.pipeline import locals_only_reach
-from sentinels.model import build_model, lm_loss
+from sentinels.model import build_model, lm_head_loss, lm_loss
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 T = 40
@@ -132,3 +132,51 @@ def test_loss_mask_counts_only_masked_positions():
     mask[1, 3] = 1
     want = torch.nn.functional.cross_entropy(logits[1, 3][None], labels[1, 3][None])
     assert torch.allclose(lm_loss(logits, labels, mask), want)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])
+@pytest.mark.parametrize("masked", [False, True])
+def test_chunked_head_loss_equals_the_loss_of_the_full_logits(chunk_rows, masked):
+    """lm_head_loss (the trainer's loss: no full logits) = lm_loss(hidden @ W.T): value, d/dhidden, d/dW."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 9), generator=g)
+    labels[0, 2] = labels[1, 5] = -100  # ignored positions (packed batches use them)
+    mask = (torch.rand(2, 9, generator=g) < 0.5).double() if masked else None
+    want = lm_loss(hidden @ weight.t(), labels, mask)
+    want_dh, want_dw = torch.autograd.grad(3.0 * want, (hidden, weight))
+    got = lm_head_loss(hidden, weight, labels, mask, chunk_rows=chunk_rows)
+    got_dh, got_dw = torch.autograd.grad(3.0 * got, (hidden, weight))
+    # both compute the cross-entropy on fp32 logits: they differ by fp32 summation order only
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_dh, want_dh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_dw, want_dw, rtol=1e-5, atol=1e-6)
+    assert got_dh.dtype == hidden.dtype and got_dw.dtype == weight.dtype
+
+
+def test_the_model_loss_equals_the_loss_of_its_logits():
+    """forward(labels=...) (the trainer's call) gives lm_loss(forward(x)) and the same parameter gradients, with
+    and without a loss mask; with tied embeddings the head's gradient still reaches the shared weight."""
+    _, a = _model()
+    a.train()
+    x = _tokens()
+    inputs, labels = x[:, :-1], x[:, 1:]
+    mask = torch.ones(labels.shape)
+    mask[:, : labels.shape[1] // 3] = 0
+    for loss_mask in (None, mask):
+        want = lm_loss(a(inputs), labels, loss_mask)
+        want_grads = torch.autograd.grad(want, list(a.parameters()))
+        got = a(inputs, labels=labels, loss_mask=loss_mask)
+        got_grads = torch.autograd.grad(got, list(a.parameters()))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, _), gw, gg in zip(a.named_parameters(), want_grads, got_grads):
+            torch.testing.assert_close(gg, gw, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_chunked_loss_refuses_bad_labels_and_empty_masks():
+    hidden, weight = torch.randn(1, 4, 3), torch.randn(5, 3)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        lm_head_loss(hidden, weight, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="loss_mask selects no position"):
+        lm_head_loss(hidden, weight, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4))
