@@ -59,7 +59,8 @@ def nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Phi
         raise ValueError("q must hold at least one position (T >= 1)")
     positions = torch.arange(q.shape[1], device=q.device)
     return _forward(q, kv, gates, cfg, phi, positions, True, backend=backend, range_backend=range_backend,
-                    chunk_size=chunk_size, indices=indices, cu_seqlens=cu_seqlens, branches=branches)
+                    chunk_size=chunk_size, indices=indices, cu_seqlens=cu_seqlens, branches=branches,
+                    first_position=0)
 
 
 def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None = None, *,
@@ -73,7 +74,7 @@ def decode_step(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Phi
         raise ValueError(f"decode_step needs 1 <= TQ <= TK, got TQ={TQ}, TK={TK}")
     positions = torch.arange(TK - TQ, TK, device=q.device)
     return _forward(q, kv, gates, cfg, phi, positions, True, backend=backend, range_backend=range_backend,
-                    chunk_size=chunk_size)
+                    chunk_size=chunk_size, first_position=TK - TQ)
 
 
 def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None,
@@ -93,8 +94,10 @@ def nsa_forward_rows(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi
 def _forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None, positions: Tensor,
              queries_are_suffix: bool, *, backend: str, range_backend: str, chunk_size: int | None,
              indices: Tensor | None = None, cu_seqlens: Tensor | None = None,
-             branches: tuple[str, ...] = BRANCHES) -> NSAOutput:
-    """Route once, then run one path (queries_are_suffix: the queries sit at the last TQ key positions)."""
+             branches: tuple[str, ...] = BRANCHES, first_position: int | None = None) -> NSAOutput:
+    """Route once, then run one path (queries_are_suffix: the queries sit at the last TQ key positions;
+    first_position: positions is arange(first_position, first_position + TQ), known on the host, so the kernel
+    path plans its selection chunks without reading positions back from the device)."""
     branches = check_branches(branches)
     n_keys = kv.win.k.shape[1]
     where = route(q, kv.slc.k, kv.slc.v, backend=backend, range_backend=range_backend,
@@ -107,12 +110,12 @@ def _forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWei
         check_indices(indices, q, cfg)
     path = _kernel_path if where.ranges else _torch_path
     return path(q, kv, gates, cfg, phi, positions, where, n_sel_blocks, branches, chunk_size=chunk_size,
-                indices=indices, docs=docs)
+                indices=indices, docs=docs, first_position=first_position)
 
 
 def _torch_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None, positions: Tensor,
                 where: Route, n_sel_blocks: int, branches: tuple[str, ...], *, chunk_size: int | None,
-                indices: Tensor | None, docs: Documents | None) -> NSAOutput:
+                indices: Tensor | None, docs: Documents | None, first_position: int | None = None) -> NSAOutput:
     """The torch path, top to bottom. Precision: every input is widened once to the compute dtype and every branch
     and Eq. 5 run in it, so a gradient summed over uses (q in three branches, a k/v shared by branches) is rounded
     once, at the input."""
@@ -142,7 +145,7 @@ def _torch_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Phi
 
 def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: PhiWeights | None, positions: Tensor,
                  where: Route, n_sel_blocks: int, branches: tuple[str, ...], *, chunk_size: int | None,
-                 indices: Tensor | None, docs: Documents | None) -> NSAOutput:
+                 indices: Tensor | None, docs: Documents | None, first_position: int | None = None) -> NSAOutput:
     """The kernel path, top to bottom: every branch reads the inputs in their own dtype (fp32 accumulation inside
     the kernels); Eq. 7 runs in the compute dtype and is rounded to q's dtype, as compress() returns it; Eq. 5 is
     summed in the compute dtype and rounded once, in one kernel (bitwise the torch expression
@@ -165,7 +168,8 @@ def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Ph
     if "slc" in branches:
         if indices is None:  # Eq. 8-11
             indices = selection.selection_indices_rows(q, k_cmp, cfg, positions, n_sel_blocks, docs=docs,
-                                                       cmp_softmax=cmp_softmax, chunk_size=chunk_size)
+                                                       cmp_softmax=cmp_softmax, chunk_size=chunk_size,
+                                                       first_position=None if docs else first_position)
         # Eq. 12; o_slc stays in the kernel's dtype (Eq. 5's kernel widens it, an fp32 copy would only add traffic)
         o_slc, reads_slc = selected_branch(where, q, kv.slc.k, kv.slc.v, indices, cfg, positions,
                                            chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype,

@@ -213,9 +213,12 @@ def range_logsumexp2(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float 
     return range_attention_forward(q.detach(), k.detach(), None, lo, hi, float(scale))[1]
 
 
-def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor, *,
+                       sync: bool = True) -> tuple[Tensor, Tensor]:
     """Validate the inputs of triton_range_attention (ValueError naming the tensor and the rule); returns lo, hi
-    as contiguous int32 after checking the range rules (one device sync)."""
+    as contiguous int32 after checking the range rules: one device sync, or with sync=False an assertion the
+    device checks in stream order (no sync: the ranges nsa_forward builds itself; a broken range is a bug of a
+    convention seam, and stops the run with the same message)."""
     where = "triton_range_attention"
     named = (("q", q), ("k", k)) + ((("v", v),) if v is not None else ())
     for name, x in named:
@@ -250,10 +253,13 @@ def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: T
         lo64, hi64 = lo.to(torch.int64), hi.to(torch.int64)
         broken = (lo64 < 0) | (lo64 > TK) | (hi64 < -1) | (hi64 >= TK)
         broken[1:] |= (lo64[1:] < lo64[:-1]) | (hi64[1:] < hi64[:-1])
-        if bool(broken.any()):
+        rules = f"0 <= lo <= TK = {TK}, -1 <= hi < TK, lo and hi non-decreasing in the row"
+        if not sync:
+            torch._assert_async(~broken.any(), f"{where}: a range breaks the rules {rules}")
+        elif bool(broken.any()):
             t = int(broken.nonzero()[0])
             raise ValueError(f"{where}: the range of row {t}, [lo, hi] = [{int(lo64[t])}, {int(hi64[t])}], breaks "
-                             f"the rules 0 <= lo <= TK = {TK}, -1 <= hi < TK, lo and hi non-decreasing in the row")
+                             f"the rules {rules}")
     return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
 
 
@@ -284,14 +290,15 @@ def window_ranges(positions: Tensor, cfg: NSAConfig, docs: Documents | None = No
     return lo, positions.clone()
 
 
-def visible_block_count(rel: Tensor, n_blocks: Tensor | int, cfg: NSAConfig) -> Tensor:
+def visible_block_count(rel: Tensor, n_blocks: Tensor | int, cfg: NSAConfig, bound: int) -> Tensor:
     """How many of the blocks 0..n_blocks-1 are visible at relative position rel (Eq. 7), asked of
     masks.compressed_block_visible by binary search: visibility is monotone in the block index (block i is
-    visible iff its last key i*d + l - 1 is early enough), so the visible blocks are 0..count-1."""
-    n = torch.as_tensor(n_blocks, device=rel.device, dtype=torch.int64).expand_as(rel)
+    visible iff its last key i*d + l - 1 is early enough), so the visible blocks are 0..count-1. bound: an upper
+    bound of n_blocks known on the host (the search's steps; no device sync)."""
+    # an int is filled on the device: a host scalar copied to it would wait for the device's queue
+    n = torch.full_like(rel, n_blocks) if isinstance(n_blocks, int) else n_blocks.to(torch.int64).expand_as(rel)
     low, high = torch.zeros_like(rel), n.clone()  # the count lies in [low, high]
-    bound = int(n.max()) if n.numel() else 0
-    for _ in range(bound.bit_length() + 1):
+    for _ in range(max(0, bound).bit_length() + 1):
         mid = (low + high + 1) // 2
         visible = masks.compressed_block_visible(mid - 1, rel, cfg) & (mid >= 1)
         searching = low < high
@@ -311,7 +318,7 @@ def compressed_ranges(positions: Tensor, n_compressed: int, cfg: NSAConfig,
         doc = docs.token_doc[positions]
         first = docs.cmp_bounds[doc]
         rel, n_own = docs.relative(positions), docs.cmp_bounds[doc + 1] - first
-    count = visible_block_count(rel, n_own, cfg)
+    count = visible_block_count(rel, n_own, cfg, n_compressed)  # a document holds at most all the tokens
     return first, first + count - 1
 
 
@@ -331,7 +338,8 @@ def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, cfg: NSACo
     out but still selects blocks."""
     k_low = k_cmp.to(q.dtype)
     v_low = None if v_cmp is None else v_cmp.to(q.dtype)
-    lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs))
+    lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs),
+                                sync=False)
     if v_low is None:
         o, lse2 = None, range_logsumexp2(q.detach(), k_low.detach(), lo, hi, checked=True)
     else:
@@ -344,5 +352,5 @@ def window_branch(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Te
     """The window branch (Section 3.3.3) for queries q [B, TQ, Hq, dk] at positions [TQ]: (o_win [B, TQ, Hq, dv]
     in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers)."""
     lo, hi = window_ranges(positions, cfg, docs)
-    o, _ = range_attention_lse2(q, k, v, lo, hi)
+    o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, sync=False), checked=True)
     return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)

@@ -47,6 +47,8 @@ one of those changes the torch path only.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -333,7 +335,7 @@ def kernel_chunks(widths: Tensor, bytes_per_column: int, chunk_size: int | None)
 class SelectionRows:
     """What the group-scores kernel needs for every query row, built once per call: q and k_cmp in the kernel
     dtype, the rows' compressed ranges [lo, hi] (int32 [TQ]), the compressed branch's base-2 log-sum-exp (None for
-    the "logits" score), the range widths on the host (each chunk's width without a device sync) and the
+    the "logits" score), the range widths on the host (each chunk's width without reading the device) and the
     document-relative positions."""
 
     q: Tensor
@@ -359,33 +361,50 @@ class SelectionRows:
 
 
 def selection_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, docs: Documents | None,
-                   cmp_softmax: CompressedSoftmax | None) -> SelectionRows:
+                   cmp_softmax: CompressedSoftmax | None, first_position: int | None = None) -> SelectionRows:
     """SelectionRows of queries q at positions over k_cmp (both in the kernel dtype): each row's visible
     compressed tokens (range_attention.compressed_ranges, from the seam masks.compressed_block_visible;
     document-local columns for a packed batch). cmp_softmax: the compressed branch's ranges and normaliser for
-    these rows when the caller has them (nsa_forward); otherwise both are computed here, for every row at once."""
+    these rows when the caller has them (nsa_forward); otherwise both are computed here, for every row at once.
+    first_position: positions is arange(first_position, first_position + TQ) of one sequence; the widths are then
+    computed on the host from the same seam (host_range_widths) instead of copied back from the device (a sync)."""
     logits = cfg.selection_score == "logits"
     if cmp_softmax is None:
         lo, hi = check_range_inputs(q, k_cmp, None, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs))
         lse2 = None if logits else range_logsumexp2(q, k_cmp, lo, hi, checked=True)
     else:
         lo, hi, lse2 = cmp_softmax.lo, cmp_softmax.hi, None if logits else cmp_softmax.lse2
-    widths = torch.clamp(hi - lo + 1, min=0).cpu()  # one copy to the host: each chunk's width without a sync
+    if first_position is not None and docs is None:
+        widths = host_range_widths(first_position, positions.shape[0], k_cmp.shape[1], cfg,
+                                   masks.compressed_block_visible)
+    else:
+        widths = torch.clamp(hi - lo + 1, min=0).cpu()  # one copy to the host: each chunk's width
     relative = positions if docs is None else docs.relative(positions)
     return SelectionRows(q, k_cmp, lo, hi, lse2, widths, relative)
+
+
+@functools.lru_cache(maxsize=64)
+def host_range_widths(first_position: int, n_rows: int, n_compressed: int, cfg: NSAConfig, visible_seam) -> Tensor:
+    """int64 [n_rows] on the host: the compressed tokens each query at first_position + t reads (Eq. 7), by
+    compressed_ranges on host integers, so equal to the device's hi - lo + 1. Cached per shape, config and seam
+    function (a replaced masks.compressed_block_visible gets its own entries): the layers of a model and the
+    steps of a run share one computation."""
+    positions = torch.arange(first_position, first_position + n_rows)
+    lo, hi = compressed_ranges(positions, n_compressed, cfg, None)
+    return torch.clamp(hi - lo + 1, min=0)
 
 
 @torch.no_grad()
 def selection_indices_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, n_sel_blocks: int, *,
                            docs: Documents | None = None, cmp_softmax: CompressedSoftmax | None = None,
-                           chunk_size: int | None = None) -> Tensor:
+                           chunk_size: int | None = None, first_position: int | None = None) -> Tensor:
     """Eq. 8-11 on the kernels: indices int64 [B, TQ, Hkv, n] for queries q [B, TQ, Hq, dk] at positions [TQ]
     over the compressed tokens k_cmp (cast to q's dtype). Per chunk (kernel_chunks) the group-scores kernel (Eq. 8 +
     10, P without the zero fill) and the top-n kernel (Eq. 9-11, writing the chunk's rows of the result), two
     launches. J comes from the document-relative positions (masks.current_sel_block), once for every row. The
     result does not depend on chunk_size or on the batch (bitwise)."""
     q = q.detach()
-    rows = selection_rows(q, k_cmp.detach().to(q.dtype), cfg, positions, docs, cmp_softmax)
+    rows = selection_rows(q, k_cmp.detach().to(q.dtype), cfg, positions, docs, cmp_softmax, first_position)
     current = masks.current_sel_block(rows.relative, cfg)
     B, TQ = q.shape[:2]
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
