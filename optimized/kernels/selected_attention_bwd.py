@@ -291,7 +291,7 @@ def _slot_reduce_kernel(
         else:
             dk += dk_part
             dv += dv_part
-    out_rows = (pos < key_end)[:, None]
+    out_rows = (pos < key_end)[:, None] & (last > first)  # a key with no slots was written by its one item
     tl.store(DK_OUT + b * stride_dkb + g * stride_dkh + pos[:, None] * stride_dkt + offs_dk[None, :],
              (dk - dk_comp).to(DK_OUT.dtype.element_ty), mask=dk_mask & out_rows)
     tl.store(DV_OUT + b * stride_dvb + g * stride_dvh + pos[:, None] * stride_dvt + offs_dv[None, :],
@@ -380,9 +380,9 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
     block_end = index.block_end if packed else index.item_key
     if index.n_items == 0:
         return dk, dv
-    n_slots = index.n_slots
-    dk_ws = torch.empty((max(n_slots, 1), sel_block, dk_dim), device=q.device, dtype=torch.float32)
-    dv_ws = torch.empty((max(n_slots, 1), sel_block, dv_dim), device=q.device, dtype=torch.float32)
+    n_slots = index.n_slots  # a bound known on the host: allocating the workspace reads nothing back
+    dk_ws = torch.empty((n_slots, sel_block, dk_dim), device=q.device, dtype=torch.float32)
+    dv_ws = torch.empty((n_slots, sel_block, dv_dim), device=q.device, dtype=torch.float32)
     heads = heads_per_query(group)
     block_dk, block_dv = padded(dk_dim), padded(dv_dim)
     modes = precision_modes(q.dtype)
@@ -413,7 +413,7 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
             raise ValueError(f"dkdv_launch.block_cols ({dkdv_launch.block_cols}) must hold one query's "
                              f"{heads} padded heads")
         launch(dkdv_launch)
-    if n_slots:
+    if index.split_key.numel():  # every key; those with an empty slot range write nothing
         rows = key_tile_rows(sel_block, 32)
         _slot_reduce_kernel[(index.split_key.numel(), math.ceil(sel_block / rows))](
             dk_ws, dv_ws, dk, dv, index.split_key, index.slot_begin, index.slot_end, block_base, block_end,

@@ -7,6 +7,12 @@ all TQ queries; such blocks are split over several items whose fp32 partial dk/d
 are summed afterwards in slot order. Every sum therefore runs in a fixed order: dk/dv are bitwise
 reproducible without atomics.
 
+The index has a size known on the host before any index value is (no device sync, so the host keeps queueing
+kernels while the GPU works): entries, work items and workspace slots are allocated at their upper bounds for the
+shape. Entries that are not kept sort after every kept one; work items past the real ones are padding (key 0, no
+query, writing zeros to a spare workspace slot no key reads); every key is listed for the slot reduction, with an
+empty slot range when it was not split.
+
 Packed batches (doc_start given): indices are document-relative, so a block is keyed by a global
 (document, block) id; block_base / block_end give its first key and its document's end (exclusive), so the dk/dv
 programs of one document's last, partial block never write keys of the next document.
@@ -27,15 +33,22 @@ MIN_QUERIES_PER_ITEM = 64
 class InvertedIndex:
     """CSR of (b, g, j) -> query rows, cut into work items.
 
-    query_rows [E] int32: query rows t (ascending within a key), keys ordered by key = (b * Hkv + g) * NB + j.
-    item_key / item_begin / item_end [I]: item i covers query_rows[item_begin[i]:item_end[i]] of key item_key[i].
-    item_slot [I]: -1 if item i is its key's only item (writes dk/dv directly), else its workspace slot.
-    split_key / slot_begin / slot_end [S]: keys cut into several items and the slot range holding their partials.
+    query_rows [E] int32: query rows t (ascending within a key), keys ordered by key = (b * Hkv + g) * NB + j; E =
+    B * TQ * Hkv * n, the entries past the kept ones unused.
+    item_key / item_begin / item_end [I]: item i covers query_rows[item_begin[i]:item_end[i]] of key item_key[i];
+    I = n_keys + ceil(E / queries_per_item) (a bound of the real items, which come first; padding items have
+    begin = end = 0).
+    item_slot [I]: -1 if item i is its key's only item (writes dk/dv directly), else its workspace slot (padding
+    items: the spare slot n_slots - 1).
+    split_key / slot_begin / slot_end [n_keys]: every key and the slot range holding its partials (empty when the
+    key was not split).
+    n_slots: workspace slots to allocate (a bound of the real slots, plus the spare one).
     block_base / block_end [NB] int64 (packed batch only, else None): first key of block id j and the end
     (exclusive) of its document; j counts the blocks of the rows' documents in document order.
     """
 
     n_blocks: int
+    n_slots: int
     query_rows: Tensor
     item_key: Tensor
     item_begin: Tensor
@@ -50,10 +63,6 @@ class InvertedIndex:
     @property
     def n_items(self) -> int:
         return self.item_key.numel()
-
-    @property
-    def n_slots(self) -> int:
-        return int(self.slot_end[-1]) if self.split_key.numel() else 0
 
 
 def default_queries_per_item(n_queries: int, n_selected: int, n_blocks: int) -> int:
@@ -101,28 +110,43 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
         block_doc = torch.repeat_interleave(torch.arange(doc_first.numel(), device=device), doc_blocks)
         block_base = doc_first[block_doc] + (torch.arange(n_blocks, device=device) - first_block[block_doc]) * sel_block
         block_end = doc_stop[block_doc]
-    b_ix, t_ix, g_ix, _ = kept.nonzero(as_tuple=True)  # row-major: t ascending for a fixed (b, g)
-    key = (b_ix * Hkv + g_ix) * n_blocks + block_id.expand(blocks.shape)[kept]
-    order = torch.sort(key, stable=True).indices
-    query_rows = t_ix[order].to(torch.int32)
-
     n_keys = B * Hkv * n_blocks
-    counts = torch.bincount(key, minlength=n_keys)
+    n_entries = kept.numel()
+    # every entry, kept or not, in row-major order (t ascending for a fixed (b, g)); the others sort last
+    b_ix = torch.arange(B, device=device).view(B, 1, 1, 1)
+    g_ix = torch.arange(Hkv, device=device).view(1, 1, Hkv, 1)
+    key = torch.where(kept, (b_ix * Hkv + g_ix) * n_blocks + block_id, n_keys).reshape(-1)
+    order = torch.sort(key, stable=True).indices
+    t_ix = torch.arange(TQ, device=device, dtype=torch.int32).view(1, TQ, 1, 1).expand(blocks.shape).reshape(-1)
+    query_rows = t_ix[order]
+
+    # scatter-add, not torch.bincount: bincount reads the largest key back to the host on CUDA
+    counts = torch.zeros(n_keys + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:n_keys]
     key_end = torch.cumsum(counts, 0)
     key_begin = key_end - counts
     per_item = queries_per_item or default_queries_per_item(TQ, indices.shape[-1], n_blocks)
     items_per_key = (counts + per_item - 1) // per_item
 
-    item_key = torch.repeat_interleave(torch.arange(n_keys, device=device), items_per_key)
+    # sum_k ceil(c_k / per_item) <= n_keys + E / per_item; a split key (c > per_item) has fewer than
+    # 2 c / per_item items, so the split keys' slots number fewer than 2 E / per_item
+    n_items = n_keys + -(-n_entries // per_item)
+    n_slots = min(n_items, -(-2 * n_entries // per_item)) + 1  # + the spare slot of the padding items
+    padding = n_items - items_per_key.sum(0, keepdim=True)
+    item_key = torch.repeat_interleave(torch.arange(n_keys + 1, device=device),
+                                       torch.cat([items_per_key, padding]), output_size=n_items)
+    is_padding = item_key == n_keys
+    item_key = item_key.masked_fill(is_padding, 0)
     first_item = torch.cumsum(items_per_key, 0) - items_per_key
-    rank = torch.arange(item_key.numel(), device=device) - first_item[item_key]
-    item_begin = key_begin[item_key] + rank * per_item
-    item_end = torch.minimum(item_begin + per_item, key_end[item_key])
-    is_split = items_per_key[item_key] > 1
-    item_slot = torch.where(is_split, torch.cumsum(is_split.long(), 0) - 1, -1)
+    rank = torch.arange(n_items, device=device) - first_item[item_key]
+    item_begin = (key_begin[item_key] + rank * per_item).masked_fill(is_padding, 0)
+    item_end = torch.minimum(item_begin + per_item, key_end[item_key]).masked_fill(is_padding, 0)
+    is_split = (items_per_key[item_key] > 1) & ~is_padding
+    item_slot = torch.where(is_split, torch.cumsum(is_split.long(), 0) - 1, -1).masked_fill(is_padding, n_slots - 1)
 
-    split_key = (items_per_key > 1).nonzero(as_tuple=True)[0]
-    slot_end = torch.cumsum(items_per_key[split_key], 0)
-    slot_begin = slot_end - items_per_key[split_key]
-    return InvertedIndex(n_blocks, query_rows, item_key, item_begin, item_end, item_slot,
+    split_key = torch.arange(n_keys, device=device)
+    split_items = torch.where(items_per_key > 1, items_per_key, 0)
+    slot_end = torch.cumsum(split_items, 0)
+    slot_begin = slot_end - split_items
+    return InvertedIndex(n_blocks, n_slots, query_rows, item_key, item_begin, item_end, item_slot,
                          split_key, slot_begin, slot_end, block_base, block_end)

@@ -274,7 +274,9 @@ def test_explicit_scale_is_used() -> None:
 
 def test_inverted_index_lists_every_selecting_query() -> None:
     """CSR items vs a loop over (b, t, g, slot): each (b, g, j) lists exactly the queries whose set holds j
-    with a visible key, ascending; items respect queries_per_item; split blocks own contiguous slots."""
+    with a visible key, ascending; items respect queries_per_item; split blocks own contiguous slots. The sizes
+    are the shape's bounds (known before any index value): the real items come first, then padding items (no
+    query, the spare slot); every key is listed for the reduction, unsplit keys with an empty slot range."""
     case = Case(tk=29, tq=20, n_kv_heads=2, group=1, dk=8, dv=8, sel_block=4, n_sel=3, batch=2)
     idx = random_indices(case, seed=6)
     idx[0, 3, 1, -1] = 9  # a block after the query's position: not listed
@@ -288,20 +290,34 @@ def test_inverted_index_lists_every_selecting_query() -> None:
                 for j in idx[b, t, g].tolist():
                     if j >= 0 and j * case.sel_block <= p:
                         expected.setdefault((b, g, j), []).append(t)
+    entries = sum(len(rows) for rows in expected.values())
+    n_keys = case.batch * case.n_kv_heads * index.n_blocks
+    assert index.n_items == n_keys + -(-idx.numel() // per_item)  # the bound, from the shape alone
     got: dict[tuple[int, int, int], list[int]] = {}
     slots_of: dict[int, list[int]] = {}
+    spare = index.n_slots - 1
+    padding = False
     for i in range(index.n_items):
-        key = int(index.item_key[i])
+        key, begin, end, slot = (int(x[i]) for x in (index.item_key, index.item_begin, index.item_end,
+                                                     index.item_slot))
+        if begin == end:  # padding: after every real item, writing to the spare slot only
+            padding = True
+            assert slot == spare and key == 0, (i, key, slot)
+            continue
+        assert not padding, f"real item {i} after a padding item"
         j, bg = key % index.n_blocks, key // index.n_blocks
-        rows = index.query_rows[int(index.item_begin[i]):int(index.item_end[i])].tolist()
+        rows = index.query_rows[begin:end].tolist()
         assert 1 <= len(rows) <= per_item
         got.setdefault((bg // case.n_kv_heads, bg % case.n_kv_heads, j), []).extend(rows)
-        if int(index.item_slot[i]) >= 0:
-            slots_of.setdefault(key, []).append(int(index.item_slot[i]))
+        if slot >= 0:
+            assert slot < spare
+            slots_of.setdefault(key, []).append(slot)
     assert got == expected
-    assert sorted(slots_of) == index.split_key.tolist()
+    assert sum(len(r) for r in got.values()) == entries
+    assert index.split_key.tolist() == list(range(n_keys))
     for key, begin, end in zip(index.split_key.tolist(), index.slot_begin.tolist(), index.slot_end.tolist()):
-        assert slots_of[key] == list(range(begin, end))
+        assert slots_of.get(key, []) == list(range(begin, end))
+    assert slots_of, "no block was split: the test no longer covers the slots"
 
 
 @pytest.mark.parametrize("change, match", [
@@ -484,6 +500,8 @@ def test_packed_inverted_index_keys_blocks_by_document() -> None:
     got: dict[tuple[int, int, int], list[int]] = {}
     for i in range(index.n_items):
         key = int(index.item_key[i])
+        if int(index.item_begin[i]) == int(index.item_end[i]):  # padding item (no query)
+            continue
         block, bg = key % index.n_blocks, key // index.n_blocks
         base, end = int(index.block_base[block]), int(index.block_end[block])
         rows = index.query_rows[int(index.item_begin[i]):int(index.item_end[i])].tolist()

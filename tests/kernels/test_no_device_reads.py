@@ -6,7 +6,9 @@ to the device.
   host integers, equal to the device's hi - lo + 1, cached per shape, config and seam function;
 - the ranges nsa_forward builds are checked by a device-side assertion (check_range_inputs(sync=False)), which
   still stops a broken range with the rules in its message;
-- the compressed ranges' binary search takes its step count from a host bound.
+- the compressed ranges' binary search takes its step count from a host bound;
+- the selected-attention backward's inverted index (dk/dv work items) has sizes bounded from the shape, so
+  building it reads nothing back (a packed batch still reads its document count).
 
 On CPU a read-back cannot be told from a host computation, so these tests check the pieces (no `.cpu()`, no
 scalar read); tests/gpu/test_no_host_sync.py runs the whole forward under torch.cuda.set_sync_debug_mode.
@@ -20,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimized import masks
 from optimized.kernels import selection
+from optimized.kernels.selected_attention_index import build_inverted_index
 from optimized.kernels.range_attention import (check_range_inputs, compressed_branch, compressed_ranges,
                                                visible_block_count, window_ranges)
 from reference.config import NSAConfig
@@ -37,8 +40,11 @@ class ScalarReads(TorchDispatchMode):
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default or "nonzero" in str(func):
-            self.reads.append(str(func))
+        name = str(func)
+        sized_by_values = name.startswith("aten.repeat_interleave") and (kwargs or {}).get("output_size") is None
+        if func is torch.ops.aten._local_scalar_dense.default or "nonzero" in name or "bincount" in name \
+                or "unique" in name or sized_by_values:
+            self.reads.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -112,3 +118,13 @@ def test_the_visible_block_search_reads_nothing():
     assert not mode.reads, mode.reads
     want = masks.compressed_block_visible(torch.arange(23)[None, :], rel[:, None], CFG).sum(1)
     assert torch.equal(count, want)
+
+
+def test_the_inverted_index_reads_nothing():
+    g = torch.Generator().manual_seed(2)
+    B, TQ, Hkv, n, sel_block = 2, 30, 2, 3, 4
+    indices = torch.randint(-1, 8, (B, TQ, Hkv, n), generator=g)
+    with ScalarReads() as mode:
+        index = build_inverted_index(indices, TQ, sel_block, queries_per_item=2)
+    assert not mode.reads, mode.reads
+    assert index.n_items == B * Hkv * -(-TQ // sel_block) + -(-indices.numel() // 2)
