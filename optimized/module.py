@@ -3,11 +3,14 @@ with the vectorized functional NSA."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from reference.config import NSAConfig
-from reference.contract import BranchKV, NSAOutput, PhiWeights
+from reference.contract import KV, BranchKV, NSAOutput, PhiWeights
 from reference.module import NSAAttention as ReferenceNSAAttention
+from reference.module import apply_rope, token_positions
 
 from .dispatch import check_backend
 from .forward import BRANCHES, check_branches, nsa_forward
@@ -29,6 +32,28 @@ class NSAAttention(ReferenceNSAAttention):
         self.backend = backend
         self.range_backend = range_backend
         self.branches = branches
+
+    def project(self, x: Tensor, position_offset: int = 0, *,
+                cu_seqlens: Tensor | None = None) -> tuple[Tensor, BranchKV, Tensor]:
+        """reference.NSAAttention.project with fewer kernels: q and the three branches' k and v come from one
+        matmul over the concatenated weights (one cast of x under autocast instead of seven), and RoPE rotates q
+        and the three k in one call (its angles computed once). The same parameters and the same function; only
+        the matmul's blocking may round differently. q, k and v are views of the matmul's output (last dim
+        contiguous)."""
+        B, T, _ = x.shape
+        cfg = self.cfg
+        Hq, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
+        positions = token_positions(T, position_offset, cu_seqlens, B, x.device)
+        weight = torch.cat([self.q_proj.weight, *(getattr(self, f"k_{b}_proj").weight for b in BRANCHES),
+                            *(getattr(self, f"v_{b}_proj").weight for b in BRANCHES)])
+        y = F.linear(x, weight)
+        n_qk = (Hq + len(BRANCHES) * Hkv) * dk
+        qk = apply_rope(y[..., :n_qk].view(B, T, Hq + len(BRANCHES) * Hkv, dk), positions, self.rope_base)
+        ks = qk[:, :, Hq:].split(Hkv, dim=2)
+        vs = y[..., n_qk:].view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
+        kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
+        gates = torch.sigmoid(self.gate(x)).view(B, T, Hq, 3)
+        return qk[:, :, :Hq], kv, gates
 
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
                            cu_seqlens: Tensor | None = None) -> NSAOutput:

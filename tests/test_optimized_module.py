@@ -1,0 +1,69 @@
+"""optimized.NSAAttention.project: the reference module's projections (same parameters) computed as one matmul
+and one RoPE call. Equal to reference.NSAAttention.project up to the matmul's rounding, packed or not, with the
+same parameter gradients; a state_dict moves between the two modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optimized
+import reference
+from reference.config import NSAConfig
+
+CFG = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, window=6, n_heads=6, n_kv_heads=2, head_dim_qk=8,
+                head_dim_v=6, phi="mlp")
+
+
+def _modules(seed: int = 0) -> tuple[reference.NSAAttention, optimized.NSAAttention]:
+    torch.manual_seed(seed)
+    ref = reference.NSAAttention(24, CFG, check_finite=False).double()
+    with torch.no_grad():
+        ref.gate[-1].weight.normal_(0, 0.5)  # gates away from exactly 0.5
+    opt = optimized.NSAAttention(24, CFG).double()
+    opt.load_state_dict(ref.state_dict())
+    return ref, opt
+
+
+def _flat(q, kv, gates) -> list[torch.Tensor]:
+    return [q, *(t for branch in (kv.cmp, kv.slc, kv.win) for t in (branch.k, branch.v)), gates]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("position_offset", [0, 5])
+def test_project_equals_the_reference_projections(packed, position_offset):
+    if packed and position_offset:
+        pytest.skip("not applicable: a packed batch restarts positions at 0")
+    ref, opt = _modules()
+    x = torch.randn(1, 19, 24, dtype=torch.float64)
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32) if packed else None
+    want = _flat(*ref.project(x, position_offset, cu_seqlens=cu))
+    got = _flat(*opt.project(x, position_offset, cu_seqlens=cu))
+    for name, g, w in zip(["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"], got, want):
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+        assert g.stride(-1) == 1, name
+
+
+def test_project_gives_the_reference_parameter_gradients():
+    ref, opt = _modules(1)
+    x = torch.randn(2, 11, 24, dtype=torch.float64)
+    weights = torch.randn(8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = []
+    for module in (ref, opt):
+        outs = _flat(*module.project(x, 3))
+        loss = sum(w * (o ** 2).sum() for w, o in zip(weights, outs))
+        grads.append(dict(zip([n for n, _ in module.named_parameters()],
+                              torch.autograd.grad(loss, list(module.parameters()), allow_unused=True))))
+    for name, g in grads[0].items():
+        other = grads[1][name]
+        if g is None:
+            assert other is None, name
+            continue
+        torch.testing.assert_close(other, g, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_layer_output_equals_the_reference_layer():
+    ref, opt = _modules(2)
+    x = torch.randn(1, 40, 24, dtype=torch.float64)
+    torch.testing.assert_close(opt(x), ref(x), rtol=1e-10, atol=1e-12)
