@@ -390,7 +390,11 @@ class Trainer:
 
     def _on_every_rank(self, what: str, fn: Callable[[], Any]) -> Any:
         """fn() on every rank; a failure on any rank stops every rank, with one message from rank 0."""
-        return on_every_rank(self.dist, what, fn, TrainerError, RankStopped)
+        try:
+            return on_every_rank(self.dist, what, fn, TrainerError, RankStopped)
+        except BaseException:
+            self._stopped_together = True  # every rank raises here, after the ranks agreed (close() waits for all)
+            raise
 
     def _broadcast(self, obj: Any) -> Any:
         """Rank 0's obj on every rank."""
@@ -819,11 +823,13 @@ class Trainer:
                 (self.run_dir / HALT_FILE).touch()
 
     def close(self) -> None:
-        """Leave the process group. After a run that ended normally (completed or halted) the ranks first wait for
-        each other, so that no rank exits while rank 0 still reports: torchrun stops the other ranks of a group as
-        soon as one exits with a non-zero code, and a halted run exits with 3."""
+        """Leave the process group. After a run that ended normally (completed or halted), or that every rank
+        stopped together (a refusal the ranks agreed on), the ranks first wait for each other, so that no rank exits
+        while another still reports or still talks to the process group's store on rank 0 (a rank whose peer left
+        first can abort): torchrun stops the other ranks of a group as soon as one exits with a non-zero code, and a
+        halted run exits with 3."""
         if self.dist.initialized_here and dist.is_initialized():
-            if getattr(self, "_ended_normally", False):
+            if getattr(self, "_ended_normally", False) or getattr(self, "_stopped_together", False):
                 dist.barrier()
             dist.destroy_process_group()
 
