@@ -161,10 +161,12 @@ def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Ph
                                           docs=docs)  # Eq. 7
         k_cmp, v_cmp = k_cmp.to(q.dtype), None if v_cmp is None else v_cmp.to(q.dtype)
         # Eq. 4 and Eq. 8's normaliser (without v_cmp: the normaliser only)
-        o_cmp, cmp_softmax, reads = range_attention.compressed_branch(q, k_cmp, v_cmp, cfg, positions, docs)
+        o_cmp, cmp_softmax, reads = range_attention.compressed_branch(q, k_cmp, v_cmp, cfg, positions, docs,
+                                                                      first_position)
         reads_cmp = reads if "cmp" in branches else None
     if "win" in branches:  # Section 3.3.3
-        o_win, reads_win = range_attention.window_branch(q, kv.win.k, kv.win.v, cfg, positions, docs)
+        o_win, reads_win = range_attention.window_branch(q, kv.win.k, kv.win.v, cfg, positions, docs,
+                                                         first_position)
     if "slc" in branches:
         if indices is None:  # Eq. 8-11
             indices = selection.selection_indices_rows(q, k_cmp, cfg, positions, n_sel_blocks, docs=docs,

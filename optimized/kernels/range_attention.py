@@ -22,6 +22,7 @@ read each key tile; deterministic, no atomics).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -214,11 +215,12 @@ def range_logsumexp2(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float 
 
 
 def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor, *,
-                       sync: bool = True) -> tuple[Tensor, Tensor]:
+                       sync: bool = True, rules: bool = True) -> tuple[Tensor, Tensor]:
     """Validate the inputs of triton_range_attention (ValueError naming the tensor and the rule); returns lo, hi
     as contiguous int32 after checking the range rules: one device sync, or with sync=False an assertion the
     device checks in stream order (no sync: the ranges nsa_forward builds itself; a broken range is a bug of a
-    convention seam, and stops the run with the same message)."""
+    convention seam, and stops the run with the same message). rules=False: lo, hi are int32 ranges already
+    checked for this TK (unpacked_ranges); only the tensors' shapes, dtypes and devices are checked."""
     where = "triton_range_attention"
     named = (("q", q), ("k", k)) + ((("v", v),) if v is not None else ())
     for name, x in named:
@@ -249,6 +251,8 @@ def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: T
     if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"{where}: tensors must be on CUDA (or set TRITON_INTERPRET=1 before importing the "
                          f"kernels to run them on CPU), got device {q.device}")
+    if not rules:
+        return lo, hi
     if TQ:
         lo64, hi64 = lo.to(torch.int64), hi.to(torch.int64)
         broken = (lo64 < 0) | (lo64 > TK) | (hi64 < -1) | (hi64 >= TK)
@@ -322,6 +326,24 @@ def compressed_ranges(positions: Tensor, n_compressed: int, cfg: NSAConfig,
     return first, first + count - 1
 
 
+@functools.lru_cache(maxsize=64)
+def unpacked_ranges(branch: str, first_position: int, n_rows: int, n_keys: int, cfg: NSAConfig, seams: tuple,
+                    device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(lo, hi, reads) of the queries at first_position .. first_position + n_rows - 1 of one sequence over n_keys
+    keys (branch "win") or compressed tokens (branch "cmp"): the int32 ranges, checked once against n_keys (a
+    device-side assertion), and the keys each row reads. Every layer of a model and every step of a run asks for
+    the same ranges, so they are built once per shape, config, device and seam functions (`seams`: the masks
+    functions they come from; a replaced seam gets its own entry): the window's few ops and the compressed
+    ranges' binary search (about ten ops per step of the search) then cost no launches per layer."""
+    positions = torch.arange(first_position, first_position + n_rows, device=device)
+    lo, hi = compressed_ranges(positions, n_keys, cfg) if branch == "cmp" else window_ranges(positions, cfg)
+    reads = torch.clamp(hi - lo + 1, min=0)  # as range_reads counts them, from the ranges the kernel reads
+    stand_in = torch.empty((1, n_rows, 1, 1), device=device, dtype=torch.float32)
+    keys = torch.empty((1, n_keys, 1, 1), device=device, dtype=torch.float32)
+    lo32, hi32 = check_range_inputs(stand_in, keys, None, lo, hi, sync=False)
+    return lo32, hi32, reads.to(torch.int32) if branch == "cmp" else reads
+
+
 def range_reads(lo: Tensor, hi: Tensor, batch: int, n_kv_heads: int) -> Tensor:
     """reads [B, TQ, Hkv]: the keys each (query, KV head) range covers, hi - lo + 1 (0 when empty), counted from
     the ranges the kernel read."""
@@ -329,28 +351,46 @@ def range_reads(lo: Tensor, hi: Tensor, batch: int, n_kv_heads: int) -> Tensor:
 
 
 def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, cfg: NSAConfig, positions: Tensor,
-                      docs: Documents | None = None) -> tuple[Tensor | None, CompressedSoftmax, Tensor]:
+                      docs: Documents | None = None,
+                      first_position: int | None = None) -> tuple[Tensor | None, CompressedSoftmax, Tensor]:
     """The compressed branch (Eq. 4 over the Eq. 7 tokens) for queries q [B, TQ, Hq, dk] at positions [TQ]:
     (o_cmp [B, TQ, Hq, dv] in q's dtype, the CompressedSoftmax (each query's range and the base-2 log-sum-exp over
     it, -inf without a visible block: the Eq. 8 normaliser), reads [B, TQ, Hkv] = the visible compressed tokens
     each query's range covers). k_cmp/v_cmp are cast to q's dtype (differentiably), as compress() returns them.
     v_cmp=None: only the normaliser (no P.V product; o_cmp is None), for a call whose output leaves this branch
-    out but still selects blocks."""
+    out but still selects blocks. first_position: positions is arange(first_position, first_position + TQ) of
+    one sequence (unpacked_ranges serves the ranges)."""
     k_low = k_cmp.to(q.dtype)
     v_low = None if v_cmp is None else v_cmp.to(q.dtype)
-    lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs),
-                                sync=False)
+    if first_position is not None and docs is None:
+        lo, hi, reads = unpacked_ranges("cmp", first_position, q.shape[1], k_cmp.shape[1], cfg, _seams(), q.device)
+        lo, hi = check_range_inputs(q, k_low, v_low, lo, hi, rules=False)
+        reads = reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
+    else:
+        lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs),
+                                    sync=False)
+        reads = range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
     if v_low is None:
         o, lse2 = None, range_logsumexp2(q.detach(), k_low.detach(), lo, hi, checked=True)
     else:
         o, lse2 = range_attention_lse2(q, k_low, v_low, lo, hi, checked=True)
-    return o, CompressedSoftmax(lo, hi, lse2), range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
+    return o, CompressedSoftmax(lo, hi, lse2), reads
 
 
 def window_branch(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Tensor,
-                  docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+                  docs: Documents | None = None, first_position: int | None = None) -> tuple[Tensor, Tensor]:
     """The window branch (Section 3.3.3) for queries q [B, TQ, Hq, dk] at positions [TQ]: (o_win [B, TQ, Hq, dv]
-    in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers)."""
+    in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers). first_position: as in
+    compressed_branch."""
+    if first_position is not None and docs is None:
+        lo, hi, reads = unpacked_ranges("win", first_position, q.shape[1], k.shape[1], cfg, _seams(), q.device)
+        o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, rules=False), checked=True)
+        return o, reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
     lo, hi = window_ranges(positions, cfg, docs)
     o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, sync=False), checked=True)
     return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
+
+
+def _seams() -> tuple:
+    """The masks functions the ranges come from (unpacked_ranges' cache key: a replaced seam is a new entry)."""
+    return masks.compressed_block_visible, masks.window_start

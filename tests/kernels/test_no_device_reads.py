@@ -24,7 +24,7 @@ from optimized import masks
 from optimized.kernels import selection
 from optimized.kernels.selected_attention_index import build_inverted_index
 from optimized.kernels.range_attention import (check_range_inputs, compressed_branch, compressed_ranges,
-                                               visible_block_count, window_ranges)
+                                               unpacked_ranges, visible_block_count, window_branch, window_ranges)
 from reference.config import NSAConfig
 
 CFG = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_sel=3, n_init=1, n_local=1, window=10, n_heads=4,
@@ -128,3 +128,72 @@ def test_the_inverted_index_reads_nothing():
         index = build_inverted_index(indices, TQ, sel_block, queries_per_item=2)
     assert not mode.reads, mode.reads
     assert index.n_items == B * Hkv * -(-TQ // sel_block) + -(-indices.numel() // 2)
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("branch", ["cmp", "win"])
+def test_unpacked_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch):
+    """The cached ranges of one sequence equal compressed_ranges / window_ranges (as int32, with their read
+    counts); a second layer asking for them costs no op; a replaced seam gets its own ranges."""
+    first, n_rows = 3, 45
+    n_keys = masks.compressed_block_count(first + n_rows, CFG) if branch == "cmp" else first + n_rows
+
+    def fresh():
+        positions = torch.arange(first, first + n_rows)
+        return compressed_ranges(positions, n_keys, CFG) if branch == "cmp" else window_ranges(positions, CFG)
+
+    def cached():
+        seams = (masks.compressed_block_visible, masks.window_start)
+        return unpacked_ranges(branch, first, n_rows, n_keys, CFG, seams, torch.device("cpu"))
+
+    lo, hi, reads = cached()
+    want_lo, want_hi = fresh()
+    assert lo.dtype == hi.dtype == torch.int32
+    assert torch.equal(lo.long(), want_lo) and torch.equal(hi.long(), want_hi)
+    assert torch.equal(reads.long(), torch.clamp(want_hi - want_lo + 1, min=0))
+    with OpCount() as ops:
+        again = cached()
+    assert ops.n == 0 and again[0] is lo
+    seam = "compressed_block_visible" if branch == "cmp" else "window_start"
+    original = getattr(masks, seam)
+    monkeypatch.setattr(masks, seam, lambda a, b, *rest: original(a, b + 1, *rest) if branch == "cmp"
+                        else original(a - 1, b, *rest))
+    planted_lo, planted_hi, _ = cached()
+    want_lo, want_hi = fresh()
+    assert torch.equal(planted_lo.long(), want_lo) and torch.equal(planted_hi.long(), want_hi)
+    assert not (torch.equal(planted_lo, lo) and torch.equal(planted_hi, hi))
+
+
+def test_the_branches_of_one_sequence_use_the_cached_ranges():
+    """compressed_branch / window_branch with first_position give what they give without it (outputs and reads),
+    and build no ranges on the second call."""
+    g = torch.Generator().manual_seed(4)
+    T = 40
+    q = torch.randn(1, T, CFG.n_heads, CFG.head_dim_qk, generator=g)
+    k = torch.randn(1, T, CFG.n_kv_heads, CFG.head_dim_qk, generator=g)
+    v = torch.randn(1, T, CFG.n_kv_heads, CFG.head_dim_v, generator=g)
+    n_compressed = masks.compressed_block_count(T, CFG)
+    k_cmp = torch.randn(1, n_compressed, CFG.n_kv_heads, CFG.head_dim_qk, generator=g)
+    v_cmp = torch.randn(1, n_compressed, CFG.n_kv_heads, CFG.head_dim_v, generator=g)
+    positions = torch.arange(T)
+    o, softmax, reads = compressed_branch(q, k_cmp, v_cmp, CFG, positions)
+    o_c, softmax_c, reads_c = compressed_branch(q, k_cmp, v_cmp, CFG, positions, first_position=0)
+    assert torch.equal(o, o_c) and torch.equal(reads, reads_c) and reads.dtype == reads_c.dtype
+    assert torch.equal(softmax.lo, softmax_c.lo) and torch.equal(softmax.hi, softmax_c.hi)
+    o_w, reads_w = window_branch(q, k, v, CFG, positions)
+    o_wc, reads_wc = window_branch(q, k, v, CFG, positions, first_position=0)
+    assert torch.equal(o_w, o_wc) and torch.equal(reads_w, reads_wc) and reads_w.dtype == reads_wc.dtype
+    with OpCount() as cold:
+        compressed_branch(q, k_cmp, v_cmp, CFG, positions)
+    with OpCount() as warm:
+        compressed_branch(q, k_cmp, v_cmp, CFG, positions, first_position=0)
+    assert warm.n < cold.n, (warm.n, cold.n)
