@@ -32,7 +32,7 @@ class RecordingSession:
         self.runs.append(args)
 
     def create_tmp(self) -> str:
-        return "/tmp/session-tmp"
+        return "/tmp/nox-tmp"
 
 
 @pytest.fixture(scope="module")
