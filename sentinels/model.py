@@ -31,6 +31,7 @@ from reference.contract import KV, BRANCHES, BranchKV, NSAOutput
 from reference.packing import check_cu_seqlens
 
 from .config import DebugConfig, ModelConfig, RunConfig
+from .data.batch import IGNORE_INDEX
 
 _REQUIRED_SEAMS = ("project", "functional_forward", "phi_weights", "o_proj")
 
@@ -325,14 +326,19 @@ def lm_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor | None = None) -> 
     flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     if loss_mask is None:
         return flat.mean()
-    weights = loss_mask.reshape(-1).to(flat.dtype)
-    total = weights.sum()
-    if total.item() == 0:
-        raise ValueError("loss_mask selects no position")
+    weights, total = _mask_weights(loss_mask)
     return (flat * weights).sum() / total
 
 
-IGNORE_INDEX = -100  # a label that adds nothing to the loss (F.cross_entropy's default ignore_index)
+def _mask_weights(loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The fp32 weight of every position (loss_mask flattened) and their sum; ValueError when it selects none."""
+    weights = loss_mask.reshape(-1).to(torch.float32)
+    total = weights.sum()
+    if total.item() == 0:
+        raise ValueError("loss_mask selects no position")
+    return weights, total
+
+
 LOSS_CHUNK_ROWS = 4096  # rows of hidden states per chunk of lm_head_loss: 0.8 GiB of fp32 logits at a 50k vocabulary
 
 
@@ -342,7 +348,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     scales them: no logits are kept, and no extra matmul is spent recomputing them."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, weights: Tensor, total: Tensor,
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, weights: Tensor, total: Tensor | float,
                 compute_dtype: torch.dtype, chunk_rows: int) -> Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
         w = weight.to(compute_dtype)
@@ -385,14 +391,11 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tens
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden's without its last dim), "
                          f"got {tuple(labels.shape)}")
     flat_labels = labels.reshape(-1)
-    if loss_mask is None:
+    if loss_mask is None:  # every position counts; the count is a host number (no copy to the device)
         weights = torch.ones(flat_labels.shape, dtype=torch.float32, device=hidden.device)
-        total = torch.tensor(float(flat_labels.numel()), device=hidden.device)
+        total: Tensor | float = float(flat_labels.numel())
     else:
-        weights = loss_mask.reshape(-1).to(torch.float32)
-        total = weights.sum()
-        if total.item() == 0:
-            raise ValueError("loss_mask selects no position")
+        weights, total = _mask_weights(loss_mask)
     device_type = hidden.device.type
     compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                      else torch.promote_types(hidden.dtype, weight.dtype))
