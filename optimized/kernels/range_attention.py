@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -220,7 +221,7 @@ def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: T
     as contiguous int32 after checking the range rules: one device sync, or with sync=False an assertion the
     device checks in stream order (no sync: the ranges nsa_forward builds itself; a broken range is a bug of a
     convention seam, and stops the run with the same message). rules=False: lo, hi are int32 ranges already
-    checked for this TK (unpacked_ranges); only the tensors' shapes, dtypes and devices are checked."""
+    checked for this TK (sequence_ranges); only the tensors' shapes, dtypes and devices are checked."""
     where = "triton_range_attention"
     named = (("q", q), ("k", k)) + ((("v", v),) if v is not None else ())
     for name, x in named:
@@ -253,11 +254,19 @@ def check_range_inputs(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: T
                          f"kernels to run them on CPU), got device {q.device}")
     if not rules:
         return lo, hi
-    if TQ:
+    return check_range_rules(lo, hi, TK, sync=sync)
+
+
+def check_range_rules(lo: Tensor, hi: Tensor, n_keys: int, *, sync: bool = True) -> tuple[Tensor, Tensor]:
+    """lo, hi [TQ] as contiguous int32 once they keep the range rules over n_keys keys: a ValueError naming the
+    first row that breaks them (one device sync for CUDA tensors), or with sync=False an assertion the device
+    checks in stream order."""
+    where = "triton_range_attention"
+    if lo.numel():
         lo64, hi64 = lo.to(torch.int64), hi.to(torch.int64)
-        broken = (lo64 < 0) | (lo64 > TK) | (hi64 < -1) | (hi64 >= TK)
+        broken = (lo64 < 0) | (lo64 > n_keys) | (hi64 < -1) | (hi64 >= n_keys)
         broken[1:] |= (lo64[1:] < lo64[:-1]) | (hi64[1:] < hi64[:-1])
-        rules = f"0 <= lo <= TK = {TK}, -1 <= hi < TK, lo and hi non-decreasing in the row"
+        rules = f"0 <= lo <= TK = {n_keys}, -1 <= hi < TK, lo and hi non-decreasing in the row"
         if not sync:
             torch._assert_async(~broken.any(), f"{where}: a range breaks the rules {rules}")
         elif bool(broken.any()):
@@ -326,22 +335,40 @@ def compressed_ranges(positions: Tensor, n_compressed: int, cfg: NSAConfig,
     return first, first + count - 1
 
 
+class SequenceRanges(NamedTuple):
+    """The key ranges of the queries of one sequence: lo, hi int32 [TQ] and the keys each row reads on the
+    device (reads: int32 for the compressed branch, int64 for the window, as range_reads counts them from the
+    ranges the kernel reads), and those counts on the host (widths, int64: the selection's chunk plan)."""
+
+    lo: Tensor
+    hi: Tensor
+    reads: Tensor
+    widths: Tensor
+
+
+def sequence_ranges(branch: str, first_position: int, n_rows: int, n_keys: int, cfg: NSAConfig,
+                    device: torch.device) -> SequenceRanges:
+    """The SequenceRanges of queries first_position .. first_position + n_rows - 1 of one sequence over n_keys
+    keys (branch "win") or compressed tokens (branch "cmp"). Every layer of a model and every step of a run asks
+    for the same ranges, so they are built once per shape, config, device and seam functions (a replaced
+    masks.compressed_block_visible or masks.window_start gets its own entry): the window's few ops and the
+    compressed ranges' binary search (about ten ops per step of the search) then cost no launch per layer, and
+    nothing is read back from the device."""
+    return _sequence_ranges(branch, first_position, n_rows, n_keys, cfg, device,
+                            (masks.compressed_block_visible, masks.window_start))
+
+
 @functools.lru_cache(maxsize=64)
-def unpacked_ranges(branch: str, first_position: int, n_rows: int, n_keys: int, cfg: NSAConfig, seams: tuple,
-                    device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """(lo, hi, reads) of the queries at first_position .. first_position + n_rows - 1 of one sequence over n_keys
-    keys (branch "win") or compressed tokens (branch "cmp"): the int32 ranges, checked once against n_keys (a
-    device-side assertion), and the keys each row reads. Every layer of a model and every step of a run asks for
-    the same ranges, so they are built once per shape, config, device and seam functions (`seams`: the masks
-    functions they come from; a replaced seam gets its own entry): the window's few ops and the compressed
-    ranges' binary search (about ten ops per step of the search) then cost no launches per layer."""
-    positions = torch.arange(first_position, first_position + n_rows, device=device)
+def _sequence_ranges(branch: str, first_position: int, n_rows: int, n_keys: int, cfg: NSAConfig,
+                     device: torch.device, seams: tuple) -> SequenceRanges:
+    """Built on the host (the seams on host integers give what they give on the device), checked there against
+    the range rules, copied to the device once."""
+    positions = torch.arange(first_position, first_position + n_rows)
     lo, hi = compressed_ranges(positions, n_keys, cfg) if branch == "cmp" else window_ranges(positions, cfg)
-    reads = torch.clamp(hi - lo + 1, min=0)  # as range_reads counts them, from the ranges the kernel reads
-    stand_in = torch.empty((1, n_rows, 1, 1), device=device, dtype=torch.float32)
-    keys = torch.empty((1, n_keys, 1, 1), device=device, dtype=torch.float32)
-    lo32, hi32 = check_range_inputs(stand_in, keys, None, lo, hi, sync=False)
-    return lo32, hi32, reads.to(torch.int32) if branch == "cmp" else reads
+    widths = torch.clamp(hi - lo + 1, min=0)
+    lo32, hi32 = check_range_rules(lo, hi, n_keys)
+    reads = widths.to(torch.int32) if branch == "cmp" else widths
+    return SequenceRanges(lo32.to(device), hi32.to(device), reads.to(device), widths)
 
 
 def range_reads(lo: Tensor, hi: Tensor, batch: int, n_kv_heads: int) -> Tensor:
@@ -359,13 +386,13 @@ def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, cfg: NSACo
     each query's range covers). k_cmp/v_cmp are cast to q's dtype (differentiably), as compress() returns them.
     v_cmp=None: only the normaliser (no P.V product; o_cmp is None), for a call whose output leaves this branch
     out but still selects blocks. first_position: positions is arange(first_position, first_position + TQ) of
-    one sequence (unpacked_ranges serves the ranges)."""
+    one sequence (sequence_ranges serves the ranges)."""
     k_low = k_cmp.to(q.dtype)
     v_low = None if v_cmp is None else v_cmp.to(q.dtype)
     if first_position is not None and docs is None:
-        lo, hi, reads = unpacked_ranges("cmp", first_position, q.shape[1], k_cmp.shape[1], cfg, _seams(), q.device)
-        lo, hi = check_range_inputs(q, k_low, v_low, lo, hi, rules=False)
-        reads = reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
+        ranges = sequence_ranges("cmp", first_position, q.shape[1], k_cmp.shape[1], cfg, q.device)
+        lo, hi = check_range_inputs(q, k_low, v_low, ranges.lo, ranges.hi, rules=False)
+        reads = ranges.reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
     else:
         lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs),
                                     sync=False)
@@ -383,14 +410,11 @@ def window_branch(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Te
     in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers). first_position: as in
     compressed_branch."""
     if first_position is not None and docs is None:
-        lo, hi, reads = unpacked_ranges("win", first_position, q.shape[1], k.shape[1], cfg, _seams(), q.device)
-        o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, rules=False), checked=True)
-        return o, reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
+        ranges = sequence_ranges("win", first_position, q.shape[1], k.shape[1], cfg, q.device)
+        lo, hi = check_range_inputs(q, k, v, ranges.lo, ranges.hi, rules=False)
+        o, _ = range_attention_lse2(q, k, v, lo, hi, checked=True)
+        return o, ranges.reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
     lo, hi = window_ranges(positions, cfg, docs)
     o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, sync=False), checked=True)
     return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
 
-
-def _seams() -> tuple:
-    """The masks functions the ranges come from (unpacked_ranges' cache key: a replaced seam is a new entry)."""
-    return masks.compressed_block_visible, masks.window_start

@@ -47,8 +47,6 @@ one of those changes the torch path only.
 
 from __future__ import annotations
 
-import functools
-
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -66,7 +64,8 @@ from ..numerics import LOG2E
 from ..scoring import pool_eq9
 from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, key_tile_span, launch_with_fallback, padded,
                      range_tiling, smaller_range_tilings)
-from .range_attention import CompressedSoftmax, check_range_inputs, compressed_ranges, range_logsumexp2
+from .range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges, range_logsumexp2,
+                              sequence_ranges)
 
 KEYS_PER_PROGRAM = 2048  # [ROWS, BLOCKS_PAD] keys a program holds (rows are added while a row has fewer blocks)
 MAX_ROWS = 32  # rows per program at most (small NB)
@@ -366,8 +365,8 @@ def selection_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, 
     compressed tokens (range_attention.compressed_ranges, from the seam masks.compressed_block_visible;
     document-local columns for a packed batch). cmp_softmax: the compressed branch's ranges and normaliser for
     these rows when the caller has them (nsa_forward); otherwise both are computed here, for every row at once.
-    first_position: positions is arange(first_position, first_position + TQ) of one sequence; the widths are then
-    computed on the host from the same seam (host_range_widths) instead of copied back from the device (a sync)."""
+    first_position: positions is arange(first_position, first_position + TQ) of one sequence; the widths then come
+    from the host side of range_attention.sequence_ranges instead of being copied back from the device (a sync)."""
     logits = cfg.selection_score == "logits"
     if cmp_softmax is None:
         lo, hi = check_range_inputs(q, k_cmp, None, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs))
@@ -375,23 +374,11 @@ def selection_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: Tensor, 
     else:
         lo, hi, lse2 = cmp_softmax.lo, cmp_softmax.hi, None if logits else cmp_softmax.lse2
     if first_position is not None and docs is None:
-        widths = host_range_widths(first_position, positions.shape[0], k_cmp.shape[1], cfg,
-                                   masks.compressed_block_visible)
+        widths = sequence_ranges("cmp", first_position, positions.shape[0], k_cmp.shape[1], cfg, q.device).widths
     else:
         widths = torch.clamp(hi - lo + 1, min=0).cpu()  # one copy to the host: each chunk's width
     relative = positions if docs is None else docs.relative(positions)
     return SelectionRows(q, k_cmp, lo, hi, lse2, widths, relative)
-
-
-@functools.lru_cache(maxsize=64)
-def host_range_widths(first_position: int, n_rows: int, n_compressed: int, cfg: NSAConfig, visible_seam) -> Tensor:
-    """int64 [n_rows] on the host: the compressed tokens each query at first_position + t reads (Eq. 7), by
-    compressed_ranges on host integers, so equal to the device's hi - lo + 1. Cached per shape, config and seam
-    function (a replaced masks.compressed_block_visible gets its own entries): the layers of a model and the
-    steps of a run share one computation."""
-    positions = torch.arange(first_position, first_position + n_rows)
-    lo, hi = compressed_ranges(positions, n_compressed, cfg, None)
-    return torch.clamp(hi - lo + 1, min=0)
 
 
 @torch.no_grad()

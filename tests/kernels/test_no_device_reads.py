@@ -3,7 +3,8 @@ device (and so made the host wait for every kernel queued before) now compute it
 to the device.
 
 - the selection's per-row range widths (its chunk plan and each chunk's width) come from the same seam evaluated on
-  host integers, equal to the device's hi - lo + 1, cached per shape, config and seam function;
+  host integers (range_attention.sequence_ranges), equal to the device's hi - lo + 1, cached per shape, config and
+  seam functions;
 - the ranges nsa_forward builds are checked by a device-side assertion (check_range_inputs(sync=False)), which
   still stops a broken range with the rules in its message;
 - the compressed ranges' binary search takes its step count from a host bound;
@@ -24,7 +25,7 @@ from optimized import masks
 from optimized.kernels import selection
 from optimized.kernels.selected_attention_index import build_inverted_index
 from optimized.kernels.range_attention import (check_range_inputs, compressed_branch, compressed_ranges,
-                                               unpacked_ranges, visible_block_count, window_branch, window_ranges)
+                                               sequence_ranges, visible_block_count, window_branch, window_ranges)
 from reference.config import NSAConfig
 
 CFG = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_sel=3, n_init=1, n_local=1, window=10, n_heads=4,
@@ -58,7 +59,7 @@ def device_widths(first: int, n_rows: int, n_compressed: int, cfg: NSAConfig) ->
 def test_host_widths_equal_the_device_ranges(visibility, first, n_rows):
     cfg = CFG.replace(cmp_visibility=visibility)
     n_compressed = masks.compressed_block_count(first + n_rows, cfg)
-    got = selection.host_range_widths(first, n_rows, n_compressed, cfg, masks.compressed_block_visible)
+    got = sequence_ranges("cmp", first, n_rows, n_compressed, cfg, torch.device("cpu")).widths
     assert torch.equal(got, device_widths(first, n_rows, n_compressed, cfg))
     assert got.device.type == "cpu"
 
@@ -68,10 +69,10 @@ def test_a_replaced_seam_gets_its_own_host_widths(monkeypatch):
     device ranges: the cache is keyed by the seam function."""
     n_rows = 64
     n_compressed = masks.compressed_block_count(n_rows, CFG)
-    clean = selection.host_range_widths(0, n_rows, n_compressed, CFG, masks.compressed_block_visible)
+    clean = sequence_ranges("cmp", 0, n_rows, n_compressed, CFG, torch.device("cpu")).widths
     original = masks.compressed_block_visible
     monkeypatch.setattr(masks, "compressed_block_visible", lambda i, pos, cfg: original(i, pos + 1, cfg))
-    planted = selection.host_range_widths(0, n_rows, n_compressed, CFG, masks.compressed_block_visible)
+    planted = sequence_ranges("cmp", 0, n_rows, n_compressed, CFG, torch.device("cpu")).widths
     assert torch.equal(planted, device_widths(0, n_rows, n_compressed, CFG))
     assert not torch.equal(planted, clean)
 
@@ -141,7 +142,7 @@ class OpCount(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("branch", ["cmp", "win"])
-def test_unpacked_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch):
+def test_sequence_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch):
     """The cached ranges of one sequence equal compressed_ranges / window_ranges (as int32, with their read
     counts); a second layer asking for them costs no op; a replaced seam gets its own ranges."""
     first, n_rows = 3, 45
@@ -152,10 +153,9 @@ def test_unpacked_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch
         return compressed_ranges(positions, n_keys, CFG) if branch == "cmp" else window_ranges(positions, CFG)
 
     def cached():
-        seams = (masks.compressed_block_visible, masks.window_start)
-        return unpacked_ranges(branch, first, n_rows, n_keys, CFG, seams, torch.device("cpu"))
+        return sequence_ranges(branch, first, n_rows, n_keys, CFG, torch.device("cpu"))
 
-    lo, hi, reads = cached()
+    lo, hi, reads, _ = cached()
     want_lo, want_hi = fresh()
     assert lo.dtype == hi.dtype == torch.int32
     assert torch.equal(lo.long(), want_lo) and torch.equal(hi.long(), want_hi)
@@ -167,7 +167,7 @@ def test_unpacked_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch
     original = getattr(masks, seam)
     monkeypatch.setattr(masks, seam, lambda a, b, *rest: original(a, b + 1, *rest) if branch == "cmp"
                         else original(a - 1, b, *rest))
-    planted_lo, planted_hi, _ = cached()
+    planted_lo, planted_hi, _, _ = cached()
     want_lo, want_hi = fresh()
     assert torch.equal(planted_lo.long(), want_lo) and torch.equal(planted_hi.long(), want_hi)
     assert not (torch.equal(planted_lo, lo) and torch.equal(planted_hi, hi))
