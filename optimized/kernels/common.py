@@ -273,6 +273,20 @@ def key_tile_span(LO, HI, rows, valid, n_keys, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
+    """q [M, BLOCK_DK] times the key tile `keys` of K (rows at k_base + key * stride_kt, keys not key_ok read as
+    0): the raw logits [M, BLOCK_N] in fp32 (DOT_FP32, INPUT_PRECISION: dot_settings)."""
+    kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk[:, None],
+                 mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
+    if DOT_FP32:
+        s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
+    else:
+        s = tl.dot(q, kT)
+    return s
+
+
+@triton.jit
 def compensated_add(total, comp, part):
     """One Kahan step: returns (total + part, new compensation); total - comp is the compensated sum."""
     y = part - comp

@@ -38,8 +38,8 @@ from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from ..documents import Documents
 from ..numerics import LN2, LOG2E
-from .common import (INDEX_DTYPES, RangeTiling, dot_settings, interpreting, key_tile_span, launch_with_fallback, padded,
-                     range_tiling, smaller_range_tilings)
+from .common import (INDEX_DTYPES, RangeTiling, dot_settings, interpreting, key_tile_logits, key_tile_span,
+                     launch_with_fallback, padded, range_tiling, smaller_range_tilings)
 from .range_attention_bwd import range_attention_backward
 
 
@@ -87,12 +87,7 @@ def _range_attention_fwd_kernel(
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
-        kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk[:, None],
-                     mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
-        else:
-            s = tl.dot(q, kT)
+        s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32, INPUT_PRECISION)
         in_range = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
         s = tl.where(in_range, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

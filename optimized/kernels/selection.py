@@ -62,8 +62,8 @@ from .. import masks
 from ..documents import Documents
 from ..numerics import LOG2E
 from ..scoring import pool_eq9
-from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, key_tile_span, launch_with_fallback, padded,
-                     range_tiling, smaller_range_tilings)
+from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, key_tile_logits, key_tile_span,
+                     launch_with_fallback, padded, range_tiling, smaller_range_tilings)
 from .range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges, range_logsumexp2,
                               sequence_ranges)
 
@@ -118,12 +118,7 @@ def _group_scores_kernel(
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
-        kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk[:, None],
-                     mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
-        else:
-            s = tl.dot(q, kT)
+        s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32, INPUT_PRECISION)
         in_range = valid_m[:, None] & (keys[None, :] >= lo_m[:, None]) & (keys[None, :] <= hi_m[:, None])
         if LOGITS:
             term = s * scale
