@@ -392,8 +392,8 @@ class Trainer:
         """fn() on every rank; a failure on any rank stops every rank, with one message from rank 0."""
         try:
             return on_every_rank(self.dist, what, fn, TrainerError, RankStopped)
-        except BaseException:
-            self._stopped_together = True  # every rank raises here, after the ranks agreed (close() waits for all)
+        except Exception:  # raised after the ranks agreed, on every rank (close() waits for all); an interrupt
+            self._stopped_together = True  # (KeyboardInterrupt) may reach one rank only and is not marked
             raise
 
     def _broadcast(self, obj: Any) -> Any:
