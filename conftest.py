@@ -25,6 +25,14 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here rather than in tests/gpu/conftest.py: pytest registers only the options of the conftest files it loads
+    # before collecting, so `pytest -m gpu` (no path) would refuse an option that lives under tests/gpu.
+    parser.getgroup("nsa-gpu").addoption(
+        "--gpu-report-dir", action="store", default="reports/parity",
+        help="where the GPU tests (tests/gpu) write their JSON and markdown reports (default reports/parity)")
+
+
 @pytest.fixture
 def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.empty returns NaN-filled float tensors, so an output element a kernel never writes stays NaN (the

@@ -78,7 +78,7 @@ show() { printf '%q ' "$@" | sed 's/ $//'; }
 step_command() {  # step name -> the command, one word per line
   case "$1" in
     conformance-gpu) printf '%s\n' "$PYTHON" -m nox -s conformance-gpu -- --report-dir "$OUT_DIR/conformance" ;;
-    gpu-tests) printf '%s\n' "${PYTEST[@]}" -m gpu --report-dir "$OUT_DIR/parity" $(xdist_args) ;;
+    gpu-tests) printf '%s\n' "${PYTEST[@]}" -m gpu --gpu-report-dir "$OUT_DIR/parity" $(xdist_args) ;;
     kernels) printf '%s\n' "${PYTEST[@]}" -m "not gpu" $(xdist_args) "$KERNEL_TESTS" ;;
     sentinels-gpu) printf '%s\n' "$PYTHON" -m nox -s sentinels-gpu -- --out "$OUT_DIR/sentinels" ;;
     perf) printf '%s\n' "$PYTHON" -m nox -s perf -- --out "$OUT_DIR/perf" --update-baseline \

@@ -126,3 +126,18 @@ def test_all_steps_passing_exit_0(tmp_path, fake_python):
     assert done.returncode == 0, done.stdout + done.stderr
     assert [line.split()[:2] for line in (tmp_path / "out" / "logs" / "summary.txt").read_text().splitlines()] == \
         [["conformance-gpu", "PASS"], ["perf", "PASS"]]
+
+
+def test_pytest_accepts_the_gpu_tests_command_line(tmp_path):
+    """The gpu-tests step's pytest arguments, as the script builds them, collected here (no GPU: the tests are
+    skipped, but an option pytest does not know stops the whole step before it starts)."""
+    import shlex
+    import sys
+
+    command = shlex.split(dry_run("--out", str(tmp_path / "results"), "--workers", "2", "gpu-tests")["gpu-tests"])
+    assert command[:3] == ["python3", "-m", "pytest"]
+    args = [a for a in command[3:] if a not in ("-n", "2")]
+    done = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "tests/gpu/test_parity_gpu.py" in done.stdout

@@ -1,9 +1,10 @@
 """GPU tests of our own kernels and of the optimized path's parity (tests/gpu): every test here is marked `gpu` and
 skipped without a CUDA device.
 
-Option: --gpu-report-dir DIR (default reports/parity): where each module writes its report (<name>.json and .md,
-merged over pytest-xdist workers by conformance.helpers.finish_gpu_report); the tables are printed either way.
-Pass it with these paths on the command line, e.g. `python -m pytest tests/gpu -n 6 --gpu-report-dir /tmp/gpu`.
+Option: --gpu-report-dir DIR (default reports/parity; registered in the root conftest.py, so that every pytest
+command line of the repository accepts it): where each module writes its report (<name>.json and .md, merged over
+pytest-xdist workers by conformance.helpers.finish_gpu_report); the tables are printed either way, e.g.
+`python -m pytest tests/gpu -n 6 --gpu-report-dir /tmp/gpu` or `python -m pytest -m gpu --gpu-report-dir /tmp/gpu`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,6 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_REPORT_DIR = "reports/parity"
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.getgroup("nsa-gpu").addoption(
-        "--gpu-report-dir", action="store", default=DEFAULT_REPORT_DIR,
-        help=f"where the tests/gpu modules write their JSON and markdown reports (default {DEFAULT_REPORT_DIR})")
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA device")
