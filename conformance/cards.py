@@ -57,6 +57,19 @@ def default_cards() -> list[str]:
     return [name for name, card in CARDS.items() if card.device in devices]
 
 
+def card_command(name: str, out: Path, baseline: Path, *, workers: int = 1, update_baseline: bool = False,
+                 check: bool = False) -> list[str]:
+    """The pytest command line of one card, run from the repository root."""
+    card = CARDS[name]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *card.pytest_args(),
+           "--report-dir", os.path.relpath(out, ROOT), "--report-name", f"{name}-{card.device}",
+           "--baseline", os.path.relpath(baseline, ROOT)]
+    cmd += ["-n", str(workers)] if workers > 1 else []
+    cmd += ["--update-baseline"] if update_baseline else []
+    cmd += ["--expect-baseline-verdicts"] if check else []
+    return cmd
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.cards", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME",
@@ -65,10 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="pass iff each card's verdicts and test counts equal its committed baseline entry")
     parser.add_argument("--jobs", type=int, default=1, help="cards run at the same time (each on one thread)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="pytest-xdist workers inside each card (default 1). A GPU card spends its time compiling "
+                             "and autotuning the library's kernels for every shape the strategies draw, on the host")
     parser.add_argument("--update-baseline", action="store_true",
                         help="write DIR/conformance-baseline.json: the committed baseline with these cards' entries")
     args = parser.parse_args(argv)
     names = args.names or default_cards()
+    if args.workers < 1 or args.jobs < 1:
+        parser.error("--workers and --jobs must be at least 1")
+    if args.workers > 1 and importlib.util.find_spec("xdist") is None:
+        parser.error("--workers needs pytest-xdist (pip install pytest-xdist)")
     unknown = [n for n in names if n not in CARDS]
     if unknown:
         parser.error(f"unknown card(s) {unknown}; cards are {list(CARDS)}")
@@ -83,14 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_baseline:
         baseline = out / "conformance-baseline.json"
         shutil.copy(BASELINE, baseline)
-    commands = {}
-    for name in names:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CARDS[name].pytest_args(),
-               "--report-dir", os.path.relpath(out, ROOT), "--report-name", f"{name}-{CARDS[name].device}",
-               "--baseline", os.path.relpath(baseline, ROOT)]
-        cmd += ["--update-baseline"] if args.update_baseline else []
-        cmd += ["--expect-baseline-verdicts"] if args.check else []
-        commands[name] = cmd
+    commands = {name: card_command(name, out, baseline, workers=args.workers, update_baseline=args.update_baseline,
+                                   check=args.check) for name in names}
     jobs = 1 if args.update_baseline else max(1, args.jobs)  # the baseline file is written by one card at a time
     failed = []
     running: dict[str, tuple[subprocess.Popen, Path]] = {}
