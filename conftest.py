@@ -12,11 +12,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 settings.register_profile(
     "ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# ci without shrinking: a failing test reports the first failing draw instead of a minimal one. For report cards
+# of libraries whose kernels are compiled and autotuned anew for every shape (each shrink step is a new shape).
+settings.register_profile(
+    "ci-no-shrink", parent=settings.get_profile("ci"),
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target),
 )
 settings.register_profile(
     "thorough", max_examples=300, deadline=None, print_blob=True,

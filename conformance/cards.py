@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="pytest-xdist workers inside each card (default 1). A GPU card spends its time compiling "
                              "and autotuning the library's kernels for every shape the strategies draw, on the host")
+    parser.add_argument("--no-shrink", action="store_true",
+                        help="report each failing property test's first failing draw instead of shrinking it to a "
+                             "minimal one (hypothesis profile ci-no-shrink): every shrink step is a new shape, which "
+                             "a GPU library compiles and autotunes anew")
     parser.add_argument("--update-baseline", action="store_true",
                         help="write DIR/conformance-baseline.json: the committed baseline with these cards' entries")
     args = parser.parse_args(argv)
@@ -115,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             log = out / f".{name}.log"
             print(f"== card {name}: {' '.join(commands[name][1:])}", flush=True)
             with log.open("w") as f:
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                if args.no_shrink:
+                    env["HYPOTHESIS_PROFILE"] = "ci-no-shrink"
                 running[name] = (subprocess.Popen(commands[name], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                                  env={**os.environ, "OMP_NUM_THREADS": "1"}), log)
+                                                  env=env), log)
         name = next(iter(running))
         proc, log = running.pop(name)
         code = proc.wait()

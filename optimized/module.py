@@ -56,8 +56,10 @@ class NSAAttention(ReferenceNSAAttention):
         return qk[:, :, :Hq], kv, gates
 
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
-                           cu_seqlens: Tensor | None = None) -> NSAOutput:
+                           cu_seqlens: Tensor | None = None, indices: Tensor | None = None) -> NSAOutput:
         """The vectorized NSA; cu_seqlens: a packed batch, computed on the packed path directly (no loop over
-        documents). The reference module's project() restarts RoPE positions at each document start."""
+        documents). The reference module's project() restarts RoPE positions at each document start. indices:
+        teacher-forced selection [B, T, Hkv, n] in place of Eq. 8-11 (nsa_forward's)."""
         return nsa_forward(q, kv, gates, self.cfg, phi, backend=self.backend, range_backend=self.range_backend,
-                           cu_seqlens=cu_seqlens, branches=self.branches, check_finite=self.check_finite)
+                           cu_seqlens=cu_seqlens, indices=indices, branches=self.branches,
+                           check_finite=self.check_finite)

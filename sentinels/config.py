@@ -31,7 +31,7 @@ class ConfigError(InputError, ValueError):
 
 ATTENTION_IMPLS = ("optimized", "reference")
 DEBUG_LEAKS = ("none", "kv_next_token", "cmp_block_early", "cmp_one_early", "win_next_token", "slc_values_next_token",
-               "cross_document")
+               "slc_block_end", "sel_scores_next_block", "cross_document")
 LEAK_SCOPES = ("all", "last_layer", "one_head")
 PACKINGS = ("contiguous", "varlen")
 GATE_OVERRIDES = ("none", "locals_only", "saturated")
@@ -53,7 +53,7 @@ class DebugConfig:
     """DEBUG switches that plant faults for the sentinel self-test. Never set them in a real run."""
 
     leak: Literal["none", "kv_next_token", "cmp_block_early", "cmp_one_early", "win_next_token",
-                  "slc_values_next_token", "cross_document"] = "none"
+                  "slc_values_next_token", "slc_block_end", "sel_scores_next_block", "cross_document"] = "none"
     # kv_next_token: every branch's keys/values at position p are those of p+1 (attention sees the next token).
     # cmp_block_early: the compressed branch's keys/values are shifted by cmp_stride positions, so compressed
     # block i (Eq. 7, visible once i*d+l-1 <= p) holds tokens up to i*d+l-1+d: it becomes visible d tokens early.
@@ -61,6 +61,12 @@ class DebugConfig:
     # p = i*d+l-1 (one position in d) reads a block that holds token p+1.
     # win_next_token: the window branch's keys/values at p are those of p+1.
     # slc_values_next_token: the selected branch's values (not its keys) at p are those of p+1.
+    # slc_block_end: the selected branch's keys/values at token s are those of the last token of s's selection
+    # block, so a query inside block J reads block J's end, as if the block were not clipped to <= p.
+    # sel_scores_next_block: Eq. 8-11 run on the compressed keys/values shifted by cmp_stride (the blocks are
+    # scored on tokens up to d past their end); the layer then attends with the clean keys/values and those
+    # blocks (teacher-forced indices): a leak into the selection only. Needs an attention module whose
+    # functional_forward takes indices (optimized), and leak_scope all or last_layer.
     # cross_document (data.packing varlen): the NSA call gets no cu_seqlens, so attention runs over the whole
     # packed row and every document sees the documents packed before it.
     leak_scope: Literal["all", "last_layer", "one_head"] = "all"
@@ -72,6 +78,9 @@ class DebugConfig:
         _require(self.leak in DEBUG_LEAKS, f"{key}.leak", f"must be one of {DEBUG_LEAKS}", self.leak)
         _require(self.leak_scope in LEAK_SCOPES, f"{key}.leak_scope", f"must be one of {LEAK_SCOPES}",
                  self.leak_scope)
+        _require(self.leak != "sel_scores_next_block" or self.leak_scope != "one_head", f"{key}.leak_scope",
+                 "must be all or last_layer with leak sel_scores_next_block (a selection is shared by a group's "
+                 "heads)", self.leak_scope)
         _require(self.gate_override in GATE_OVERRIDES, f"{key}.gate_override",
                  f"must be one of {GATE_OVERRIDES}", self.gate_override)
 
@@ -100,6 +109,9 @@ class ModelConfig:
             _require(value is None or value > 0, f"{key}.{name}", "must be null or > 0", value)
         _require(self.attention in ATTENTION_IMPLS, f"{key}.attention", f"must be one of {ATTENTION_IMPLS}",
                  self.attention)
+        _require(self.debug.leak != "sel_scores_next_block" or self.attention == "optimized", f"{key}.debug.leak",
+                 "sel_scores_next_block needs attention optimized (its forward takes teacher-forced indices)",
+                 self.debug.leak)
         _require(self.norm_eps > 0, f"{key}.norm_eps", "must be > 0", self.norm_eps)
         _require(self.rope_base > 0, f"{key}.rope_base", "must be > 0", self.rope_base)
         try:

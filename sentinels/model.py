@@ -107,6 +107,12 @@ class LayerStats:
     reads: Tensor  # [3] int64 total Eq. 6 reads per branch, summed over batch, positions, groups
 
 
+def block_ends(T: int, block: int, device: torch.device) -> Tensor:
+    """Per token s < T, the last token of its block of `block` tokens (the last block may be partial)."""
+    s = torch.arange(T, device=device)
+    return torch.clamp((s // block + 1) * block - 1, max=T - 1)
+
+
 def shift_left(t: Tensor, by: int) -> Tensor:
     """t[:, p] <- t[:, p + by] along the sequence dim (dim 1); the last `by` positions repeat the final one."""
     if by <= 0 or t.shape[1] == 0:
@@ -118,9 +124,9 @@ def shift_left(t: Tensor, by: int) -> Tensor:
 class NSALayerAttention(nn.Module):
     """One layer's NSA attention through the module's seams, with statistics and DEBUG switches.
 
-    kv_perturbation (None in training): a function applied to the branch keys/values right before the NSA call,
-    kv_perturbation(layer_index, kv) -> kv; the causal-isolation sentinel uses it to change one branch's keys and
-    values at one position (sentinels/isolation.py)."""
+    kv_perturbation (None in training): a function applied to the branch keys/values as the projections return
+    them (before any planted leak moves them), kv_perturbation(layer_index, kv) -> kv; the causal-isolation
+    sentinel uses it to change one branch's keys and values at one position (sentinels/isolation.py)."""
 
     def __init__(self, inner: nn.Module, debug: DebugConfig, layer_index: int = 0, n_layers: int = 1):
         super().__init__()
@@ -151,6 +157,12 @@ class NSALayerAttention(nn.Module):
             return BranchKV(cmp=kv.cmp, slc=kv.slc, win=KV(shift_left(kv.win.k, 1), shift_left(kv.win.v, 1)))
         if leak == "slc_values_next_token":
             return BranchKV(cmp=kv.cmp, slc=KV(kv.slc.k, shift_left(kv.slc.v, 1)), win=kv.win)
+        if leak == "slc_block_end":
+            end = block_ends(kv.slc.k.shape[1], cfg.sel_block, kv.slc.k.device)
+            return BranchKV(cmp=kv.cmp, slc=KV(kv.slc.k[:, end], kv.slc.v[:, end]), win=kv.win)
+        if leak == "sel_scores_next_block":  # the keys/values Eq. 8-11 score (the layer attends with kv)
+            by = cfg.cmp_stride
+            return BranchKV(cmp=KV(shift_left(kv.cmp.k, by), shift_left(kv.cmp.v, by)), slc=kv.slc, win=kv.win)
         raise ValueError(f"model.debug.leak {leak!r} is not implemented")
 
     def _planted_gates(self, gates: Tensor) -> Tensor:
@@ -170,24 +182,31 @@ class NSALayerAttention(nn.Module):
                 raise ValueError(f"position_offset must be 0 with cu_seqlens (positions restart at each "
                                  f"document), got {position_offset}")
             q, kv, gates = self.inner.project(x, cu_seqlens=cu_seqlens)
+        if self.kv_perturbation is not None:  # before any planted leak: the probe changes token t's keys/values
+            kv = self.kv_perturbation(self.layer_index, kv)  # as the projections hand them over
         gates = self._planted_gates(gates)
         leaky = self._leaky_kv(kv)
+        scoring_only = leaky is not None and self.debug.leak == "sel_scores_next_block"
         one_head = leaky is not None and self.debug.leak_scope == "one_head"
-        if leaky is not None and not one_head:
+        if leaky is not None and not (one_head or scoring_only):
             kv = leaky
         # Everything inside the NSA call runs in the dtype of q (the implementations check dtypes match).
         dtype = q.dtype
 
-        def nsa(kv: BranchKV) -> NSAOutput:
-            if self.kv_perturbation is not None:
-                kv = self.kv_perturbation(self.layer_index, kv)
+        def nsa(kv: BranchKV, indices: Tensor | None = None) -> NSAOutput:
             kv = BranchKV(*(KV(b.k.to(dtype), b.v.to(dtype)) for b in (kv.cmp, kv.slc, kv.win)))
             phi = self.inner.phi_weights()
+            forced = {} if indices is None else {"indices": indices}
             if cu_seqlens is None or self.debug.leak == "cross_document":  # the planted leak drops the boundaries
-                return self.inner.functional_forward(q, kv, gates.to(dtype), phi)
-            return self.inner.functional_forward(q, kv, gates.to(dtype), phi, cu_seqlens=cu_seqlens)
+                return self.inner.functional_forward(q, kv, gates.to(dtype), phi, **forced)
+            return self.inner.functional_forward(q, kv, gates.to(dtype), phi, cu_seqlens=cu_seqlens, **forced)
 
-        out = nsa(kv)
+        if scoring_only:  # the planted leak: blocks picked on the shifted keys, attended with the clean ones
+            with torch.no_grad():
+                picked = nsa(leaky).indices
+            out = nsa(kv, picked)
+        else:
+            out = nsa(kv)
         if one_head:  # the planted leak reaches query head 0 only
             o = out.o.clone()
             o[:, :, 0] = nsa(leaky).o[:, :, 0]

@@ -99,7 +99,7 @@ class Plant:
             hooks.append(last.register_forward_pre_hook(lambda *_: handle.set_active(True)))
             hooks.append(last.register_forward_hook(lambda *_: handle.set_active(False)))
         for name, make in self.seams.items():
-            setattr(masks, name, handle.counted(originals[name], make(originals[name])))
+            setattr(masks, name, handle.counted(name, originals[name], make(originals[name])))
         try:
             yield handle
         finally:
@@ -115,22 +115,33 @@ class PlantHandle:
     def __init__(self, plant: Plant):
         self.plant = plant
         self.active = True
-        self.calls = 0
+        self.calls_by_seam = {name: 0 for name in plant.seams}
 
     def set_active(self, value: bool) -> None:
         self.active = value
 
-    def counted(self, original: Callable, broken: Callable) -> Callable:
+    def counted(self, name: str, original: Callable, broken: Callable) -> Callable:
         def seam(*args, **kwargs):
             if not self.active:
                 return original(*args, **kwargs)
-            self.calls += 1
+            self.calls_by_seam[name] += 1
             return broken(*args, **kwargs)
         return seam
 
     @property
+    def calls(self) -> int:
+        return sum(self.calls_by_seam.values())
+
+    @property
+    def uncalled(self) -> list[str]:
+        """The replaced seams the model's path never called while the plant was on."""
+        return sorted(name for name, n in self.calls_by_seam.items() if n == 0)
+
+    @property
     def reached(self) -> bool:
-        return not self.plant.seams or self.calls > 0
+        """Every replaced seam was called: a plant made of two rules (a wider pick, then a clip only inside block
+        J) is a leak only where the path reads both, so a path that reads one of them does not apply it."""
+        return not self.uncalled
 
 
 PLANTS: dict[str, Plant] = {p.name: p for p in (
@@ -159,6 +170,12 @@ PLANTS: dict[str, Plant] = {p.name: p for p in (
     Plant("sel_next_block", "Eq. 11 may pick block J+1 (forced as local), clipped to p only inside block J",
           "every position, selected branch",
           seams={"current_sel_block": _next_sel_block, "selected_token_visible": _clip_inside_current_block}),
+    Plant("sel_block_end_kv", "the selected branch's keys/values at each token are those of its block's last "
+          "token: a query inside block J reads block J's end", "positions before the end of their block, selected "
+          "branch", debug={"leak": "slc_block_end"}),
+    Plant("sel_scores_next_block", "Eq. 8 scores the compressed keys shifted by d (a block is scored on tokens up "
+          "to d past its end); the attention itself is clean", "selection only: future tokens change which past "
+          "blocks are picked", debug={"leak": "sel_scores_next_block"}),
     Plant("sel_score_all_blocks", "Eq. 8 scores are a softmax over every compressed block, visible or not",
           "selection only: future blocks change which past blocks are picked",
           seams={"cmp_importance": _score_all_blocks}),

@@ -28,7 +28,7 @@ SENTINELS = ("causal_isolation", "label_shift", "doc_isolation", "random_label",
 ISOLATION_PLANTS = ("kv_next_token", "cmp_block_early", "cmp_one_early", "cmp_visible_early",
                     "cmp_visible_early_last_layer", "window_next_key", "win_next_token_last_layer",
                     "win_next_token_one_head", "slc_values_next_token", "sel_block_unclipped", "sel_next_block",
-                    "sel_score_all_blocks")
+                    "sel_block_end_kv", "sel_score_all_blocks", "sel_scores_next_block")
 RANDOM_LABEL_PLANTS = ("kv_next_token", "cmp_one_early")
 
 
@@ -104,11 +104,13 @@ PROFILES = {
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
         # the run config's model and seq_len, one sequence per step: >= 600 steps (a leak that the model learns
         # slowly collapsed a real run's loss after ~460 steps) inside the profile's 10 minutes
-        real_text={"train.steps": 600, "train.micro_batch_size": 1, "train.grad_accum": 1, "train.warmup_steps": 20},
+        # The run config's own learning-rate schedule (its warmup included): these runs are the first steps of
+        # that launch. With a 20-step warmup instead, prod-125m's gates of one layer fell below 0.02 within 600
+        # steps at one sequence per step (gate_collapse), a collapse of the shortened schedule, not of the run.
+        real_text={"train.steps": 600, "train.micro_batch_size": 1, "train.grad_accum": 1},
         real_text_min_steps=600,
         real_text_cap_s=240.0,
-        real_text_varlen={"train.steps": 60, "train.micro_batch_size": 1, "train.grad_accum": 1,
-                          "train.warmup_steps": 20},
+        real_text_varlen={"train.steps": 60, "train.micro_batch_size": 1, "train.grad_accum": 1},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
         isolation_rows=8,

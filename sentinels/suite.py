@@ -273,11 +273,14 @@ class SentinelRunner:
         summary = summarize(out)
         if handle is not None and (not handle.reached or changed is False):
             verdict = NOT_APPLICABLE
-            seams = ", ".join(sorted(handle.plant.seams))
-            why = ("never called" if not handle.reached else
-                   f"was called {handle.calls} times, but the logits are those of the unplanted model")
-            summary = (f"the replaced seam(s) {seams} of optimized.masks {why}: this path computes the rule "
-                       "itself, the plant is not applied - " + summary)
+            if not handle.reached:
+                what = (f"the replaced seam(s) {', '.join(handle.uncalled)} of optimized.masks never called"
+                        + ("" if len(handle.uncalled) == len(handle.plant.seams) else
+                           f" (the plant is a leak only with all of {', '.join(sorted(handle.plant.seams))})"))
+            else:
+                what = (f"the replaced seam(s) {', '.join(sorted(handle.plant.seams))} of optimized.masks were "
+                        f"called {handle.calls} times, but the logits are those of the unplanted model")
+            summary = f"{what}: this path computes the rule itself, the plant is not applied - " + summary
         threshold = ("every logit at p < t unchanged (bitwise on CPU; on CUDA within "
                      f"{thresholds.CAUSAL_ISOLATION_CUDA_NOISE_FACTOR:g}x the control rows' difference)")
         metrics = out.as_dict()

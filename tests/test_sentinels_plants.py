@@ -32,6 +32,7 @@ WITNESS = {
     "slc_values_next_token": (1, 0),  # block 0 is always selected; p = 0 reads the value of token 1
     "sel_block_unclipped": (1, 0),  # block 0 is read whole by p = 0
     "sel_next_block": (8, 0),  # block J + 1 = 1 is forced for p = 0 and not clipped
+    "sel_block_end_kv": (7, 0),  # token 0 carries the keys/values of token 7, the end of block 0
 }
 
 
@@ -61,7 +62,7 @@ TOKENS = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(1
 
 
 def test_every_plant_has_a_witness():
-    assert set(WITNESS) | {"sel_score_all_blocks"} == set(PLANTS)
+    assert set(WITNESS) | {"sel_score_all_blocks", "sel_scores_next_block"} == set(PLANTS)
 
 
 @pytest.mark.parametrize("name", sorted(WITNESS))
@@ -85,6 +86,42 @@ def test_selection_only_leak_is_real():
         leaking = [t for t in range(33, 64) if _moved(model, TOKENS, t).any()]
     assert leaking and handle.calls > 0
     assert not any(_moved(_model(None, sharpen=3.0), TOKENS, t).any() for t in leaking[:3])
+
+
+def test_selection_from_shifted_scores_is_a_selection_only_leak():
+    """sel_scores_next_block picks blocks on keys that read up to d tokens ahead and attends with the clean keys:
+    some token t moves an earlier logit, and the clean model with the same pair does not move."""
+    model = _model("sel_scores_next_block")
+    leaking = [t for t in range(33, 64) if _moved(model, TOKENS, t).any()]
+    assert leaking
+    assert not any(_moved(_model(None), TOKENS, t).any() for t in leaking[:3])
+
+
+def test_selection_only_plant_leaves_the_attention_clean():
+    """The planted layer is the clean layer's attention under the blocks picked on the shifted keys: its output
+    equals the clean layer's forward with those indices teacher-forced (so the leak is in the selection alone)."""
+    leaky, clean = _model("sel_scores_next_block"), _model(None)
+    layer_leaky, layer_clean = leaky.blocks[0].attn, clean.blocks[0].attn
+    inner = layer_clean.inner
+    h = torch.randn(1, 64, inner.q_proj.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        q, kv, gates = inner.project(h)
+        picked = inner.functional_forward(q, layer_leaky._leaky_kv(kv), gates, inner.phi_weights()).indices
+        free = inner.functional_forward(q, kv, gates, inner.phi_weights())
+        forced = inner.functional_forward(q, kv, gates, inner.phi_weights(), indices=picked)
+        assert not torch.equal(picked, free.indices)  # the shifted scores pick other blocks ...
+        assert torch.equal(layer_leaky(h), inner.o_proj(forced.o.reshape(1, 64, -1)))  # ... attended cleanly
+        assert not torch.equal(layer_leaky(h), layer_clean(h))
+
+
+def test_a_plant_of_two_seams_needs_both_called():
+    from sentinels.plants import PlantHandle
+
+    handle = PlantHandle(PLANTS["sel_next_block"])
+    handle.counted("current_sel_block", lambda *a: 0, lambda *a: 1)()
+    assert handle.calls == 1 and not handle.reached and handle.uncalled == ["selected_token_visible"]
+    handle.counted("selected_token_visible", lambda *a: 0, lambda *a: 1)()
+    assert handle.reached and handle.uncalled == []
 
 
 def test_last_layer_plant_touches_only_the_last_layer():
