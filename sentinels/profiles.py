@@ -44,6 +44,9 @@ class Profile:
     long_range: dict = field(default_factory=dict)
     real_text: dict = field(default_factory=dict)  # dotted overrides of the run config
     real_text_varlen: dict = field(default_factory=dict)  # the same for the packed run
+    real_text_first_steps: dict = field(default_factory=dict)  # {"contiguous": N, "varlen": M}: the real-text run
+    #   keeps the run config's own train.steps and learning-rate schedule (warmup included) and stops after its
+    #   first N steps, as the launch would run them; a packing not named runs the override's train.steps
     real_text_min_steps: int = 0  # the contiguous real-text run must reach this step (else overall INCOMPLETE)
     real_text_cap_s: float | None = None  # wall-clock cap of that run (None: run_cap_s)
     plant_run: dict = field(default_factory=dict)  # overrides of the probe config for the gate/NaN/slow-data plants
@@ -104,13 +107,15 @@ PROFILES = {
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
         # the run config's model and seq_len, one sequence per step: >= 600 steps (a leak that the model learns
         # slowly collapsed a real run's loss after ~460 steps) inside the profile's 10 minutes
-        # The run config's own learning-rate schedule (its warmup included): these runs are the first steps of
-        # that launch. With a 20-step warmup instead, prod-125m's gates of one layer fell below 0.02 within 600
-        # steps at one sequence per step (gate_collapse), a collapse of the shortened schedule, not of the run.
-        real_text={"train.steps": 600, "train.micro_batch_size": 1, "train.grad_accum": 1},
+        # The first steps of the launch itself: the run config's train.steps and learning-rate schedule (its
+        # warmup included), one sequence per step, stopped after 600 (real_text_first_steps). With steps: 600 and
+        # a 20-step warmup instead, the schedule is not the launch's (prod-125m's gates of one layer fell below
+        # 0.02 within those 600 steps on an H100, gate_collapse).
+        real_text={"train.micro_batch_size": 1, "train.grad_accum": 1},
+        real_text_first_steps={"contiguous": 600, "varlen": 60},
         real_text_min_steps=600,
         real_text_cap_s=240.0,
-        real_text_varlen={"train.steps": 60, "train.micro_batch_size": 1, "train.grad_accum": 1},
+        real_text_varlen={"train.micro_batch_size": 1, "train.grad_accum": 1},
         gate_collapse_plant_steps=110,
         watchdog_plant_steps=30,
         isolation_rows=8,

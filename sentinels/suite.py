@@ -81,6 +81,16 @@ class BudgetExhausted(RuntimeError):
     pass
 
 
+def _stop_after(n_steps: int, step_hook=None):
+    """A step hook that stops the run once n_steps steps are done (after calling step_hook)."""
+    def hook(trainer: Trainer, step: int) -> None:
+        if step_hook is not None:
+            step_hook(trainer, step)
+        if step + 1 >= n_steps:
+            trainer.request_stop(f"the first {n_steps} steps of the run's schedule are done")
+    return hook
+
+
 class SentinelRunner:
     def __init__(self, profile: Profile, *, run_config: RunConfig, probe_config: RunConfig, work_dir: Path,
                  corpus: Path | None, budget_s: float | None = None, log: Callable[[str], None] = print,
@@ -139,9 +149,11 @@ class SentinelRunner:
         return [r["loss"] for r in result.records]
 
     @staticmethod
-    def _cut(result: TrainResult, cfg: RunConfig) -> str:
-        """A note when the run stopped early for another reason than a monitor's own halt."""
-        if result.steps_done >= cfg.train.steps or (result.halt_reason or "").startswith("loss_floor"):
+    def _cut(result: TrainResult, cfg: RunConfig, planned: int | None = None) -> str:
+        """A note when the run stopped before its planned steps (default train.steps) for another reason than a
+        monitor's own halt."""
+        planned = cfg.train.steps if planned is None else planned
+        if result.steps_done >= planned or (result.halt_reason or "").startswith("loss_floor"):
             return ""
         return f" (cut at step {result.steps_done}: {result.halt_reason})"
 
@@ -485,11 +497,14 @@ class SentinelRunner:
                                               slow_after=slow_data_after)
         under_test = base == "run" and not synthetic and planted is None
         cap_s = self.profile.real_text_cap_s if under_test and packing == "contiguous" else None
+        first_steps = self.profile.real_text_first_steps.get(packing) if base == "run" and not synthetic else None
+        if first_steps is not None and steps is None:  # the launch's own schedule, its first steps only
+            step_hook = _stop_after(first_steps, step_hook)
         trainer, result = self._train(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s)
         wall = time.monotonic() - t0
         losses = self._losses(result)
         kinds = [e.kind for e in result.events]
-        cut = self._cut(result, cfg)
+        cut = self._cut(result, cfg, planned=first_steps if steps is None else None)
         curves = {"train loss": losses}
         incomplete = None
         min_steps = self.profile.real_text_min_steps if packing == "contiguous" else 0

@@ -38,7 +38,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_nsa_forward_runs_the_kernels_by_default(dtype: torch.dtype, launches: list[str]) -> None:
     x = make_inputs(CFG, 1024, dtype=dtype, device="cuda")
-    optimized.nsa_forward(x.q, x.kv, x.gates, CFG)
+    optimized.nsa_forward(x.q, x.kv, x.gates, CFG, x.phi)
     assert sorted(set(launches)) == sorted(FORWARD)
 
 
@@ -68,7 +68,7 @@ def test_decode_cache_runs_the_kernels_by_default(launches: list[str], monkeypat
     real_step = decode_step.lean_decode_step
     monkeypatch.setattr(decode_step, "lean_decode_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
     x = make_inputs(CFG, 520, dtype=torch.bfloat16, device="cuda")
-    cache = NSADecodeCache(CFG, 1, 520, dtype=torch.bfloat16, device="cuda")
+    cache = NSADecodeCache(CFG, 1, 520, dtype=torch.bfloat16, device="cuda", phi=x.phi)
     cache.prefill(x.q[:, :512], BranchKV(*(KV(b.k[:, :512], b.v[:, :512]) for b in (x.kv.cmp, x.kv.slc, x.kv.win))),
                   x.gates[:, :512])
     assert sorted(set(launches)) == sorted(FORWARD)

@@ -190,6 +190,17 @@ def test_real_text_verdicts_and_planted_faults(tmp_path, corpus):
     assert saturated.verdict == FAIL and "consecutive steps" in saturated.summary
 
 
+def test_real_text_can_run_the_first_steps_of_the_run_schedule(tmp_path, corpus):
+    """real_text_first_steps: the run config's own train.steps and warmup (longer than the sentinel run) stay, and
+    the run stops after its first steps without a 'cut' note."""
+    runner = _runner(tmp_path, corpus, real_text={"train.micro_batch_size": 2, "train.seq_len": 32},
+                     real_text_first_steps={"contiguous": 6})
+    runner.run_config = runner.run_config.replace(**{"train.steps": 1000, "train.warmup_steps": 500})
+    floor, gate, _ = runner.real_text()
+    assert floor.metrics["steps"] == 6 and floor.verdict == PASS
+    assert "cut at step" not in floor.summary and "cut at step" not in gate.summary
+
+
 def test_overall_verdict_rules():
     from sentinels.suite import SKIP, SentinelResult
 
