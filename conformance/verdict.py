@@ -71,6 +71,8 @@ class PropertyResult:
     failures: list[str] = field(default_factory=list)
     not_covered_reasons: list[str] = field(default_factory=list)
     regressions: list[str] = field(default_factory=list)
+    accepted_changes: list[str] = field(default_factory=list)  # differences from the baseline that
+    #   --update-baseline accepted (written as the new entry): reported, not failed
     observed: dict[str, set] = field(default_factory=dict)
 
     @property
@@ -105,7 +107,8 @@ class PropertyResult:
             "worst_float64_tolerance": self.worst_tolerance, "worst_error_ratio": self.worst_ratio,
             "tolerances": self.tolerances, "ratios": self.ratios, "counts": self.counts,
             "failures": self.failures, "not_covered_reasons": sorted(set(self.not_covered_reasons)),
-            "baseline_regressions": self.regressions, "envelope_checked": self.envelope_checked(),
+            "baseline_regressions": self.regressions, "baseline_changes_accepted": self.accepted_changes,
+            "envelope_checked": self.envelope_checked(),
         }
 
 
@@ -234,7 +237,9 @@ class VerdictPlugin:
         if hasattr(self.config, "workerinput") or not self.results:
             return
         self._compare_with_baseline()
-        if self.config.getoption("--update-baseline"):
+        if self.config.getoption("--update-baseline"):  # the differences become the new baseline: accepted
+            for res in self.results.values():
+                res.accepted_changes, res.regressions = res.regressions, []
             self._write_baseline()
         expected = self.config.getoption("--expect-baseline-verdicts") and not self.config.getoption(
             "--update-baseline")
@@ -304,6 +309,8 @@ class VerdictPlugin:
                     tr.write_line(f"  NOT COVERED {res.name}: {reason}")
             for regression in res.regressions:
                 tr.write_line(f"  BASELINE {res.name}: {regression}")
+            for change in res.accepted_changes:
+                tr.write_line(f"  BASELINE {res.name} (accepted by --update-baseline): {change}")
         if self.baseline_note:
             tr.write_line(self.baseline_note)
         for note in self.exit_notes:
@@ -428,13 +435,16 @@ class VerdictPlugin:
                   "1e-6 (both pass at <= 1). tests: pass/fail/not covered/n.a. (failures raised inside the "
                   "implementation in brackets)."]
         details = [r for r in payload["properties"] if r["failures"] or r["not_covered_reasons"]
-                   or r["baseline_regressions"] or r["counts"] or r["envelope_checked"]]
+                   or r["baseline_regressions"] or r.get("baseline_changes_accepted") or r["counts"]
+                   or r["envelope_checked"]]
         if details:
             lines += ["", "## Details", ""]
         for r in details:
             lines.append(f"### {r['property']}")
             lines += [f"- FAIL: `{f}`" for f in r["failures"]]
             lines += [f"- baseline: {g}" for g in r["baseline_regressions"]]
+            lines += [f"- baseline change accepted by --update-baseline: {g}"
+                      for g in r.get("baseline_changes_accepted", [])]
             lines += [f"- NOT COVERED: {n}" for n in r["not_covered_reasons"]]
             lines += [f"- {k} = {v}" for k, v in r["counts"].items()]
             if r["envelope_checked"]:

@@ -81,16 +81,6 @@ class BudgetExhausted(RuntimeError):
     pass
 
 
-def _stop_after(n_steps: int, step_hook=None):
-    """A step hook that stops the run once n_steps steps are done (after calling step_hook)."""
-    def hook(trainer: Trainer, step: int) -> None:
-        if step_hook is not None:
-            step_hook(trainer, step)
-        if step + 1 >= n_steps:
-            trainer.request_stop(f"the first {n_steps} steps of the run's schedule are done")
-    return hook
-
-
 class SentinelRunner:
     def __init__(self, profile: Profile, *, run_config: RunConfig, probe_config: RunConfig, work_dir: Path,
                  corpus: Path | None, budget_s: float | None = None, log: Callable[[str], None] = print,
@@ -121,7 +111,8 @@ class SentinelRunner:
             fixed.update({"train.seed": self.seed, "data.shuffle_seed": self.seed})
         return base.replace(**{**overrides, **fixed})
 
-    def _trainer(self, cfg: RunConfig, *, step_hook=None, batch_source=None, cap_s: float | None = None) -> Trainer:
+    def _trainer(self, cfg: RunConfig, *, step_hook=None, batch_source=None, cap_s: float | None = None,
+                 stop_after: int | None = None) -> Trainer:
         """A trainer whose run stops at cap_s (default: the profile's cap per run) or the end of the budget."""
         if time.monotonic() > self.deadline:
             raise BudgetExhausted("the profile's time budget is spent")
@@ -135,11 +126,13 @@ class SentinelRunner:
             if step_hook is not None:
                 step_hook(trainer, step)
 
-        return Trainer(cfg, step_hook=hook, batch_source=batch_source, console=False, save_checkpoints=False)
+        return Trainer(cfg, step_hook=hook, batch_source=batch_source, console=False, save_checkpoints=False,
+                       stop_after=stop_after)
 
-    def _train(self, cfg: RunConfig, *, step_hook=None, batch_source=None,
-               cap_s: float | None = None) -> tuple[Trainer, TrainResult]:
-        trainer = self._trainer(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s)
+    def _train(self, cfg: RunConfig, *, step_hook=None, batch_source=None, cap_s: float | None = None,
+               stop_after: int | None = None) -> tuple[Trainer, TrainResult]:
+        trainer = self._trainer(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s,
+                                stop_after=stop_after)
         result = trainer.train()
         trainer.close()
         return trainer, result
@@ -498,13 +491,13 @@ class SentinelRunner:
         under_test = base == "run" and not synthetic and planted is None
         cap_s = self.profile.real_text_cap_s if under_test and packing == "contiguous" else None
         first_steps = self.profile.real_text_first_steps.get(packing) if base == "run" and not synthetic else None
-        if first_steps is not None and steps is None:  # the launch's own schedule, its first steps only
-            step_hook = _stop_after(first_steps, step_hook)
-        trainer, result = self._train(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s)
+        first_steps = None if steps is not None else first_steps  # the launch's own schedule, its first steps
+        trainer, result = self._train(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s,
+                                      stop_after=first_steps)
         wall = time.monotonic() - t0
         losses = self._losses(result)
         kinds = [e.kind for e in result.events]
-        cut = self._cut(result, cfg, planned=first_steps if steps is None else None)
+        cut = self._cut(result, cfg, planned=first_steps)
         curves = {"train loss": losses}
         incomplete = None
         min_steps = self.profile.real_text_min_steps if packing == "contiguous" else 0

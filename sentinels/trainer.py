@@ -233,8 +233,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, synthetic_on_fail: bool = False,
                  batch_source: Any = None, step_hook: Callable[["Trainer", int], None] | None = None,
                  console: bool = True, extra_metadata: dict[str, Any] | None = None,
-                 save_checkpoints: bool = True, i_know_what_im_doing: bool = False, fresh: bool = False):
+                 save_checkpoints: bool = True, i_know_what_im_doing: bool = False, fresh: bool = False,
+                 stop_after: int | None = None):
+        if stop_after is not None and stop_after < 1:
+            raise TrainerError(f"stop_after must be a positive number of steps, got {stop_after}")
         self.cfg = cfg
+        self.stop_after = stop_after
         self.save_checkpoints = save_checkpoints
         self.step_hook = step_hook
         self.synthetic_on_fail = synthetic_on_fail
@@ -257,7 +261,7 @@ class Trainer:
             # The launch gate (docs/runbook.md): >= 5000 steps need a valid GO record, or the logged override.
             # The trainer checks the record and the long-run rules itself, whatever launched it, on every rank.
             authorization = authorize_training(cfg, i_know_what_im_doing=i_know_what_im_doing,
-                                               save_checkpoints=self.save_checkpoints)
+                                               save_checkpoints=self.save_checkpoints, steps=self.last_step)
             if not authorization.allowed:
                 raise TrainerError(authorization.reason)
             if cfg.train.parallel == "fsdp":
@@ -761,7 +765,7 @@ class Trainer:
         status, halt_reason, step = "completed", None, self.start_step
         halt_path = self.run_dir / HALT_FILE
         try:
-            for step in range(self.start_step, cfg.steps):
+            for step in range(self.start_step, self.last_step):
                 self._current_step = step
                 if self.step_hook is not None:
                     self.step_hook(self, step)
@@ -791,7 +795,7 @@ class Trainer:
                     halt_now = self._stop_reason(halt_now)
                 done = step + 1
                 periodic = cfg.save_every > 0 and done % cfg.save_every == 0
-                if self.save_checkpoints and (stop or periodic or done == cfg.steps):
+                if self.save_checkpoints and (stop or periodic or done == self.last_step):
                     self.save_checkpoint(done)
                 if stop:
                     status, halt_reason = "halted", halt_now
@@ -811,6 +815,14 @@ class Trainer:
         self._ended_normally = True
         return TrainResult(status=status, steps_done=step, halt_reason=halt_reason, records=records,
                            events=list(self.events), run_dir=self.run_dir)
+
+    @property
+    def last_step(self) -> int:
+        """The step this process stops at: train.steps, or stop_after when it is smaller (the first steps of the
+        configured schedule, learning rate and warmup unchanged: the sentinels' real-text runs). The launch gate
+        judges these steps, the ones this process runs."""
+        steps = self.cfg.train.steps
+        return steps if self.stop_after is None else min(steps, self.stop_after)
 
     def request_stop(self, reason: str) -> None:
         """Stop after the current step, as SIGTERM does (used by time budgets)."""

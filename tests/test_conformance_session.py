@@ -100,3 +100,37 @@ def test_the_unit_tests_run_on_xdist_workers_when_nox_itself_lacks_xdist(cpu_ses
     session = RecordingSession(["-n", "1"])
     cpu_sessions["tests"](session)
     assert session.runs[0].count("-n") == 1, session.runs[0]
+
+
+def _gqa_run(tmp_path, baseline, *extra):
+    import os
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "conformance/test_gqa_consistency.py", "--impl", "optimized", "--baseline", str(baseline),
+                           "--report-dir", str(tmp_path / "r"), *extra], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_update_baseline_accepts_the_differences_it_writes(tmp_path):
+    """A difference from the baseline fails a plain run; with --update-baseline it is reported as accepted (the run
+    passes) and the new entry is written, so the next plain run passes."""
+    import json
+
+    baseline = tmp_path / "baseline.json"
+    assert _gqa_run(tmp_path, baseline, "--update-baseline").returncode == 0
+    data = json.loads(baseline.read_text())
+    (key, entry), = data.items()
+    entry["GQA consistency"]["tests"]["passed"] = 999  # the baseline ran more tests than this run will
+    baseline.write_text(json.dumps(data))
+
+    plain = _gqa_run(tmp_path, baseline)
+    assert plain.returncode == 1 and "coverage lost" in plain.stdout, plain.stdout[-2000:]
+    updated = _gqa_run(tmp_path, baseline, "--update-baseline")
+    assert updated.returncode == 0, updated.stdout[-2000:]
+    assert "accepted by --update-baseline): coverage lost" in updated.stdout, updated.stdout[-1500:]
+    report = json.loads(next((tmp_path / "r").glob("*.json")).read_text())
+    gqa, = [p for p in report["properties"] if p["property"] == "GQA consistency"]
+    assert gqa["verdict"] == "PASS" and gqa["baseline_changes_accepted"] and not gqa["baseline_regressions"]
+    assert json.loads(baseline.read_text())[key]["GQA consistency"]["tests"]["passed"] < 999
+    assert _gqa_run(tmp_path, baseline).returncode == 0

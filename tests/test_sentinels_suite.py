@@ -192,13 +192,24 @@ def test_real_text_verdicts_and_planted_faults(tmp_path, corpus):
 
 def test_real_text_can_run_the_first_steps_of_the_run_schedule(tmp_path, corpus):
     """real_text_first_steps: the run config's own train.steps and warmup (longer than the sentinel run) stay, and
-    the run stops after its first steps without a 'cut' note."""
+    the run stops after its first steps without a 'cut' note. A launch-length config needs no GO record for it:
+    the launch gate judges the steps the process runs."""
     runner = _runner(tmp_path, corpus, real_text={"train.micro_batch_size": 2, "train.seq_len": 32},
                      real_text_first_steps={"contiguous": 6})
-    runner.run_config = runner.run_config.replace(**{"train.steps": 1000, "train.warmup_steps": 500})
+    runner.run_config = runner.run_config.replace(**{"train.steps": 50000, "train.warmup_steps": 2000})
     floor, gate, _ = runner.real_text()
-    assert floor.metrics["steps"] == 6 and floor.verdict == PASS
+    assert floor.metrics["steps"] == 6 and floor.verdict == PASS, floor.summary
     assert "cut at step" not in floor.summary and "cut at step" not in gate.summary
+
+
+def test_the_launch_gate_still_refuses_the_whole_schedule(tmp_path):
+    from sentinels.trainer import Trainer, TrainerError
+
+    cfg = load_config(TINY).replace(**{"train.steps": 50000, "train.out_dir": str(tmp_path / "run")})
+    with pytest.raises(TrainerError, match="refusing a 50000-step run"):
+        Trainer(cfg, console=False, save_checkpoints=False)
+    with pytest.raises(TrainerError, match="refusing a 10000-step run"):
+        Trainer(cfg, console=False, save_checkpoints=False, stop_after=10000)  # 10000 steps: still long
 
 
 def test_overall_verdict_rules():

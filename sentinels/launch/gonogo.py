@@ -270,12 +270,13 @@ def long_run_findings(cfg: RunConfig, facts: EnvFacts, *, save_checkpoints: bool
 def authorize_training(cfg: RunConfig, *, i_know_what_im_doing: bool, records_dir: Path | None = None,
                        code: CodeIdentity | None = None, now_unix: float | None = None,
                        facts: EnvFacts | None = None, save_checkpoints: bool = True,
-                       check_config_kwargs: dict | None = None) -> Authorization:
+                       check_config_kwargs: dict | None = None, steps: int | None = None) -> Authorization:
     """The trainer's rule, whatever launched it: a run of >= policy.LONG_RUN_STEPS steps needs a GO record for
     this config, code and GPU (check_go_record) AND must pass the long-run rules on this host (long_run_findings:
     a GPU, the minimum model size, checkpoints, ...), unless the operator overrides with --i-know-what-im-doing,
-    which is logged with every reason it overrode. records_dir defaults to RECORDS_DIR; facts to this host's."""
-    steps = cfg.train.steps
+    which is logged with every reason it overrode. records_dir defaults to RECORDS_DIR; facts to this host's.
+    steps: the steps the process will run (default train.steps; fewer when the trainer stops early by design)."""
+    steps = cfg.train.steps if steps is None else min(steps, cfg.train.steps)
     if steps < policy.LONG_RUN_STEPS:
         return Authorization(True, f"{steps} steps < {policy.LONG_RUN_STEPS}: no GO record needed",
                              {"long_run": False, "steps": steps})
