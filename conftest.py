@@ -19,7 +19,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 # ci without shrinking: a failing test reports the first failing draw instead of a minimal one. For report cards
-# of libraries whose kernels are compiled and autotuned anew for every shape (each shrink step is a new shape).
+# of libraries whose kernels are compiled and autotuned anew for every shape (each shrink step is a new shape:
+# conformance/cards.py).
 settings.register_profile(
     "ci-no-shrink", parent=settings.get_profile("ci"),
     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target),

@@ -33,6 +33,8 @@ class Card:
     device: str
     conventions: tuple[str, ...]  # --preset / --set options: the library's own conventions
     needs: tuple[str, ...]  # the importable packages
+    hypothesis_profile: str = "ci"  # ci-no-shrink: a failing test reports its first failing draw (every shrink
+    #   step is a new shape, which a GPU library compiles and autotunes anew: minutes per failing test)
 
     def pytest_args(self) -> list[str]:
         return ["conformance", "--properties-only", "--impl", self.impl, "--device", self.device, *self.conventions]
@@ -46,7 +48,7 @@ CARDS = {
         ("--preset", "equal_blocks", "--set", "phi=avg", "--set", "window_keys=w+1", "--set", "cmp_visibility=strict",
          "--set", "selection_score=logits", "--set", "group_reduce=mean"), ("native_sparse_attention_pytorch",)),
     "fla-parallel": Card("conformance.adapters.fla_nsa:PARALLEL", "cuda",
-                         ("--preset", "equal_blocks", "--set", "phi=avg"), ("fla",)),
+                         ("--preset", "equal_blocks", "--set", "phi=avg"), ("fla",), hypothesis_profile="ci-no-shrink"),
 }
 
 
@@ -81,10 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="pytest-xdist workers inside each card (default 1). A GPU card spends its time compiling "
                              "and autotuning the library's kernels for every shape the strategies draw, on the host")
-    parser.add_argument("--no-shrink", action="store_true",
-                        help="report each failing property test's first failing draw instead of shrinking it to a "
-                             "minimal one (hypothesis profile ci-no-shrink): every shrink step is a new shape, which "
-                             "a GPU library compiles and autotunes anew")
     parser.add_argument("--update-baseline", action="store_true",
                         help="write DIR/conformance-baseline.json: the committed baseline with these cards' entries")
     args = parser.parse_args(argv)
@@ -119,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             log = out / f".{name}.log"
             print(f"== card {name}: {' '.join(commands[name][1:])}", flush=True)
             with log.open("w") as f:
-                env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                if args.no_shrink:
-                    env["HYPOTHESIS_PROFILE"] = "ci-no-shrink"
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": CARDS[name].hypothesis_profile}
                 running[name] = (subprocess.Popen(commands[name], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                                   env=env), log)
         name = next(iter(running))

@@ -42,3 +42,14 @@ def test_bad_usage_is_refused_before_any_card_runs(tmp_path, args, message):
     assert done.returncode == 2
     assert message in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_each_card_runs_under_its_hypothesis_profile():
+    """The GPU card does not shrink (each shrink step compiles the library's kernels anew); CPU cards do. The
+    profile is part of a card's baseline key, so it belongs to the card, not to one command line."""
+    assert cards.CARDS["fla-parallel"].hypothesis_profile == "ci-no-shrink"
+    assert {cards.CARDS[n].hypothesis_profile for n in ("fla-naive", "native-sparse-attention-pytorch")} == {"ci"}
+    import hypothesis
+
+    assert hypothesis.settings.get_profile("ci-no-shrink").max_examples == hypothesis.settings.get_profile("ci").max_examples
+    assert hypothesis.Phase.shrink not in hypothesis.settings.get_profile("ci-no-shrink").phases

@@ -25,7 +25,10 @@ fla's conventions, with the source line that shows each (fla-core 0.6.0):
   window_keys "w"; it needs flash-attn (not installed on CPU, naive.py:23) and half precision inputs, so the
   adapters declare no window branch (fla's window is flash-attn's, not fla's own code);
 - the query heads per KV head must be a power of two >= 16 (naive.py:373, parallel.py:904); the Triton kernels
-  also need a key dimension <= 256 (parallel.py:625) and block_size >= 2 * S (parallel.py:570);
+  also need a key dimension <= 256 (parallel.py:625) and block_size >= 2 * S (parallel.py:570), and head dims of
+  at least 16: their forward tiles are the next power of two of d_k and d_v with no floor of 16 (parallel.py:618,
+  compression.py:396), and Triton's dot refuses smaller tiles (every call with d_k = 4, d_v = 2 raised a
+  CompilationError on an H200);
 - arithmetic in float32 whatever the inputs (`x.float()`, naive.py:72, 162): precision "float32".
 
 What the adapter adds, and why:
@@ -168,6 +171,7 @@ PARALLEL = SimpleNamespace(
     NAME="fla-parallel",
     CAPABILITIES=Capabilities(**_FLA_SIZES, window_keys={"w"}, group_reduce={"sum"}, branches={"cmp", "slc"},
                               block_sizes=Sizes(minimum=16, power_of_two=True), n_sel=Sizes(maximum=8),
-                              head_dims_qk=Sizes(maximum=256), head_dims_v=Sizes(maximum=256), stages={"nsa_forward"}),
+                              head_dims_qk=Sizes(minimum=16, maximum=256), head_dims_v=Sizes(minimum=16, maximum=256),
+                              stages={"nsa_forward"}),
     nsa_forward=parallel_nsa_forward,
 )
