@@ -189,8 +189,11 @@ class Runner:
             for done_warmups in range(spec.warmup):
                 # The build's first call, and on a fresh machine the first warm-up too, include compilation,
                 # autotuning and lazy kernel loading: warm-ups are judged by the budget only, and the per-case cap
-                # judges the timed calls by the last warm-up's time.
-                if self._skip(row, estimate, spec.warmup - done_warmups + timed_calls, "measured", use_cap=False):
+                # judges the timed calls by the last warm-up's time. The first warm-up needs room for itself only
+                # (judged by the build's time, an autotuning call can be 1000x a warm one); the later ones for
+                # every call left, at the previous warm-up's time.
+                calls_left = 1 if done_warmups == 0 else spec.warmup - done_warmups + timed_calls
+                if self._skip(row, estimate, calls_left, "measured", use_cap=False):
                     skipped = True
                     break
                 estimate = self.timer.wall_once(prepared.run)

@@ -383,3 +383,25 @@ def test_case_cap_judges_warm_calls_not_the_compiling_first_call(one_thread, mon
                   stages=())
     rows = Runner(spec, torch.device("cpu"), with_sdpa=True, variants=[], log=lambda s: None).run()
     assert [r.status for r in rows] == [OK], [r.note for r in rows]
+
+
+def test_time_budget_judges_warm_calls_not_the_autotuning_first_call(one_thread, monkeypatch):
+    """A build whose first call autotunes (slow) must not get the case skipped by the time budget when one warm-up
+    fits: the calls left are judged at a warm call's time (a library autotuning its kernels took 27 s for a call
+    of milliseconds)."""
+    import time as time_module
+
+    import perf.runner as runner_module
+
+    real_build = runner_module.build_sdpa_case
+
+    def slow_first_call(pass_name, inputs, spec, seed):
+        prepared = real_build(pass_name, inputs, spec, seed)
+        time_module.sleep(0.5)  # the "autotuning": 22 more calls of 0.5 s would not fit in the budget, warm ones do
+        return prepared
+
+    monkeypatch.setattr(runner_module, "build_sdpa_case", slow_first_call)
+    spec = preset("tiny", seq_lens=(64,), repeats=10, rounds=2, warmup=2, time_budget_s=3.0, passes=("fwd",),
+                  stages=())
+    rows = Runner(spec, torch.device("cpu"), with_sdpa=True, variants=[], log=lambda s: None).run()
+    assert [r.status for r in rows] == [OK], [r.note for r in rows]
