@@ -235,9 +235,13 @@ def attribute(events, on_cuda: bool) -> tuple[dict[tuple[str, str], float], dict
 
     units: list[tuple[str, float, Any]] = []
     if on_cuda:
+        # A record_function range also appears on the GPU timeline as a user annotation spanning its kernels
+        # (correlated to the range's CPU event, so listed among its "kernels" under the range's own name): it is
+        # not device work, and counting it counts the kernels under it twice.
         for e in cpu:
-            units += [(k.name, k.duration, e) for k in e.kernels]
-        total = sum(e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+            units += [(k.name, k.duration, e) for k in e.kernels if k.name != e.name]
+        total = sum(e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                    and not getattr(e, "is_user_annotation", False))
     else:
         units = [(e.name, e.self_cpu_time_total, e) for e in cpu if not e.name.startswith(REGION)]
         total = sum(u[1] for u in units)
@@ -331,6 +335,10 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{unit} per profiled step: {p['device_ms_per_step']:.1f} ms"
                 + (f"; the rest, {p['step_ms_median'] - p['device_ms_per_step']:.1f} ms, the device waited for the "
                    f"host" if p["step_ms_median"] > p["device_ms_per_step"] else "") + ".", "",
+                *([f"**The {unit} per profiled step exceeds the step itself by more than 5%: the attribution "
+                   "counts some device work twice (or kernels of two streams overlapped), so read the per-region "
+                   "times with care.**", ""]
+                  if p["device_ms_per_step"] > 1.05 * p["step_ms_median"] and "CUDA" in unit else []),
                 f"Attention: {p['attention']}.", "",
                 "| category | forward ms | backward ms | outside ms | total ms | share |", "|---|---|---|---|---|---|"]
         rest = [c for c in p["categories"] if c["category"].startswith("attention rest")]

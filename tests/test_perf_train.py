@@ -147,6 +147,12 @@ def test_train_profile_splits_the_step_by_region(tmp_path, one_thread):
     assert dense_by["attention kernels"]["forward_ms"] > 0 and "attention rest: per-layer statistics" not in dense_by
     md = (out / "train_profile.md").read_text()
     assert "| MLP (SwiGLU) |" in md and "## dense, tiny, seq_len 32" in md
+    assert "counts some device work twice" not in md
+
+    from perf.train_profile import markdown
+
+    nsa.update(time_unit="CUDA kernel time", device_ms_per_step=2 * nsa["step_ms_median"])  # more than the step
+    assert "counts some device work twice" in markdown(result)
 
 
 def test_unknown_geometry_is_one_line(capsys):
@@ -155,3 +161,30 @@ def test_unknown_geometry_is_one_line(capsys):
     assert "--geometries must be a comma list" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown geometry 'huge'"):
         geometry("huge")
+
+
+def test_profile_attribution_on_cuda_skips_the_ranges_user_annotations():
+    """On CUDA a record_function range shows up again on the GPU timeline as a user annotation spanning its kernels
+    (among its CPU event's kernels, under the range's own name, and as a CUDA event): neither is device work. Stand-in
+    events: a region with one launched kernel of 3 us inside a forward range; its annotation spans 10 us."""
+    from types import SimpleNamespace
+
+    from perf.train_profile import REGION, attribute
+
+    cpu_type, cuda_type = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def span(us: float):
+        return SimpleNamespace(elapsed_us=lambda: us, start=0.0)
+
+    region = SimpleNamespace(name=REGION + "mlp", device_type=cpu_type, is_async=False, thread=1, sequence_nr=-1,
+                             cpu_parent=None, time_range=span(10.0),
+                             kernels=[SimpleNamespace(name=REGION + "mlp", duration=10.0),
+                                      SimpleNamespace(name="gemm_kernel", duration=3.0)])
+    device = [SimpleNamespace(name="gemm_kernel", device_type=cuda_type, is_async=False, is_user_annotation=False,
+                              time_range=span(3.0)),
+              SimpleNamespace(name=REGION + "mlp", device_type=cuda_type, is_async=False, is_user_annotation=True,
+                              time_range=span(10.0))]
+    times, names, total = attribute([region, *device], on_cuda=True)
+    assert total == 3.0
+    assert sum(times.values()) == 3.0
+    assert (REGION + "mlp") not in {name for _, name in names}
