@@ -142,11 +142,10 @@ class SentinelRunner:
         return [r["loss"] for r in result.records]
 
     @staticmethod
-    def _cut(result: TrainResult, cfg: RunConfig, planned: int | None = None) -> str:
-        """A note when the run stopped before its planned steps (default train.steps) for another reason than a
-        monitor's own halt."""
-        planned = cfg.train.steps if planned is None else planned
-        if result.steps_done >= planned or (result.halt_reason or "").startswith("loss_floor"):
+    def _cut(result: TrainResult, trainer: Trainer) -> str:
+        """A note when the run stopped before the step its trainer runs to (Trainer.last_step) for another reason
+        than a monitor's own halt."""
+        if result.steps_done >= trainer.last_step or (result.halt_reason or "").startswith("loss_floor"):
             return ""
         return f" (cut at step {result.steps_done}: {result.halt_reason})"
 
@@ -403,7 +402,7 @@ class SentinelRunner:
         else:
             why = ""
         stopped = f" (stopped at step {result.steps_done} once tripped)" if stop_on_trip and leaks else ""
-        cut = "" if stopped else self._cut(result, cfg)
+        cut = "" if stopped else self._cut(result, trainer)
         rows = [SentinelResult(
             "random_label", verdict,
             f"held-out loss {final['eval_loss']:.4f} vs ln V {ln_v:.4f} (gap {final['gap']:+.4f}; worst position "
@@ -490,14 +489,15 @@ class SentinelRunner:
                                               slow_after=slow_data_after)
         under_test = base == "run" and not synthetic and planted is None
         cap_s = self.profile.real_text_cap_s if under_test and packing == "contiguous" else None
-        first_steps = self.profile.real_text_first_steps.get(packing) if base == "run" and not synthetic else None
-        first_steps = None if steps is not None else first_steps  # the launch's own schedule, its first steps
+        # the launch's own schedule, its first steps (unless the caller set the steps)
+        first_steps = (self.profile.real_text_first_steps.get(packing)
+                       if base == "run" and not synthetic and steps is None else None)
         trainer, result = self._train(cfg, step_hook=step_hook, batch_source=batch_source, cap_s=cap_s,
                                       stop_after=first_steps)
         wall = time.monotonic() - t0
         losses = self._losses(result)
         kinds = [e.kind for e in result.events]
-        cut = self._cut(result, cfg, planned=first_steps)
+        cut = self._cut(result, trainer)
         curves = {"train loss": losses}
         incomplete = None
         min_steps = self.profile.real_text_min_steps if packing == "contiguous" else 0
