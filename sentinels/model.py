@@ -150,8 +150,9 @@ class NSALayerAttention(nn.Module):
             return None
         if leak == "kv_next_token":
             return BranchKV(*(KV(shift_left(b.k, 1), shift_left(b.v, 1)) for b in (kv.cmp, kv.slc, kv.win)))
-        if leak in ("cmp_block_early", "cmp_one_early"):
-            by = cfg.cmp_stride if leak == "cmp_block_early" else 1
+        if leak in ("cmp_block_early", "cmp_one_early", "sel_scores_next_block"):
+            # sel_scores_next_block: these are the keys/values Eq. 8-11 score (the layer attends with kv)
+            by = 1 if leak == "cmp_one_early" else cfg.cmp_stride
             return BranchKV(cmp=KV(shift_left(kv.cmp.k, by), shift_left(kv.cmp.v, by)), slc=kv.slc, win=kv.win)
         if leak == "win_next_token":
             return BranchKV(cmp=kv.cmp, slc=kv.slc, win=KV(shift_left(kv.win.k, 1), shift_left(kv.win.v, 1)))
@@ -160,9 +161,6 @@ class NSALayerAttention(nn.Module):
         if leak == "slc_block_end":
             end = block_ends(kv.slc.k.shape[1], cfg.sel_block, kv.slc.k.device)
             return BranchKV(cmp=kv.cmp, slc=KV(kv.slc.k[:, end], kv.slc.v[:, end]), win=kv.win)
-        if leak == "sel_scores_next_block":  # the keys/values Eq. 8-11 score (the layer attends with kv)
-            by = cfg.cmp_stride
-            return BranchKV(cmp=KV(shift_left(kv.cmp.k, by), shift_left(kv.cmp.v, by)), slc=kv.slc, win=kv.win)
         raise ValueError(f"model.debug.leak {leak!r} is not implemented")
 
     def _planted_gates(self, gates: Tensor) -> Tensor:
