@@ -105,12 +105,11 @@ PROFILES = {
         # the full model learns the recall within ~30 steps on an H100 (answer loss 0.05 at step 20)
         long_range={"train.steps": 100, "train.micro_batch_size": 32, "train.seq_len": 512, "train.lr": 3e-3,
                     "train.warmup_steps": 20, "data.synthetic.vocab_size": 64, "data.synthetic.n_values": 8},
-        # the run config's model and seq_len, one sequence per step: >= 600 steps (a leak that the model learns
-        # slowly collapsed a real run's loss after ~460 steps) inside the profile's 10 minutes
-        # The first steps of the launch itself: the run config's train.steps and learning-rate schedule (its
-        # warmup included), one sequence per step, stopped after 600 (real_text_first_steps). With steps: 600 and
-        # a 20-step warmup instead, the schedule is not the launch's (prod-125m's gates of one layer fell below
-        # 0.02 within those 600 steps on an H100, gate_collapse).
+        # The first steps of the launch itself: the run config's model, seq_len, train.steps and learning-rate
+        # schedule (its warmup included), one sequence per step, stopped after 600 (real_text_first_steps; a leak
+        # that the model learns slowly collapsed a real run's loss after ~460 steps) inside the profile's 10
+        # minutes. With steps: 600 and a 20-step warmup instead, the schedule is not the launch's (prod-125m's
+        # gates of one layer fell below 0.02 within those 600 steps on an H100, gate_collapse).
         real_text={"train.micro_batch_size": 1, "train.grad_accum": 1},
         real_text_first_steps={"contiguous": 600, "varlen": 60},
         real_text_min_steps=600,
