@@ -366,6 +366,15 @@ def _sequence_ranges(branch: str, first_position: int, n_rows: int, n_keys: int,
     return SequenceRanges(lo32.to(device), hi32.to(device), reads.to(device), widths)
 
 
+def _sequence_branch_ranges(branch: str, q: Tensor, k: Tensor, v: Tensor | None, cfg: NSAConfig,
+                            first_position: int) -> tuple[Tensor, Tensor, Tensor]:
+    """lo, hi (the tensors checked against q, k, v) and reads [B, TQ, Hkv] of one sequence's rows, from
+    sequence_ranges."""
+    ranges = sequence_ranges(branch, first_position, q.shape[1], k.shape[1], cfg, q.device)
+    lo, hi = check_range_inputs(q, k, v, ranges.lo, ranges.hi, rules=False)
+    return lo, hi, ranges.reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
+
+
 def range_reads(lo: Tensor, hi: Tensor, batch: int, n_kv_heads: int) -> Tensor:
     """reads [B, TQ, Hkv]: the keys each (query, KV head) range covers, hi - lo + 1 (0 when empty), counted from
     the ranges the kernel read."""
@@ -385,9 +394,7 @@ def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, cfg: NSACo
     k_low = k_cmp.to(q.dtype)
     v_low = None if v_cmp is None else v_cmp.to(q.dtype)
     if first_position is not None and docs is None:
-        ranges = sequence_ranges("cmp", first_position, q.shape[1], k_cmp.shape[1], cfg, q.device)
-        lo, hi = check_range_inputs(q, k_low, v_low, ranges.lo, ranges.hi, rules=False)
-        reads = ranges.reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
+        lo, hi, reads = _sequence_branch_ranges("cmp", q, k_low, v_low, cfg, first_position)
     else:
         lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs),
                                     sync=False)
@@ -405,10 +412,9 @@ def window_branch(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Te
     in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers). first_position: as in
     compressed_branch."""
     if first_position is not None and docs is None:
-        ranges = sequence_ranges("win", first_position, q.shape[1], k.shape[1], cfg, q.device)
-        lo, hi = check_range_inputs(q, k, v, ranges.lo, ranges.hi, rules=False)
+        lo, hi, reads = _sequence_branch_ranges("win", q, k, v, cfg, first_position)
         o, _ = range_attention_lse2(q, k, v, lo, hi, checked=True)
-        return o, ranges.reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
+        return o, reads
     lo, hi = window_ranges(positions, cfg, docs)
     o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, sync=False), checked=True)
     return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
