@@ -357,20 +357,27 @@ def _mask_weights(loss_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 LOSS_CHUNK_ROWS = 4096  # rows of hidden states per chunk of lm_head_loss: 0.8 GiB of fp32 logits at a 50k vocabulary
+# The head's matmuls see the vocabulary padded with zero rows to a multiple of this: at an odd width (GPT-2's 50257)
+# every logits row starts at an odd element offset and cuBLAS falls back to its slow 1-element-aligned kernels.
+HEAD_VOCAB_MULTIPLE = 64
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """sum_i w_i CE(h_i W^T, y_i) / sum_i w_i over row chunks of h. The loss is the end of the graph, so the
     gradients are computed in forward, chunk by chunk (dlogits = w_i / sum w (softmax - onehot)), and backward only
-    scales them: no logits are kept, and no extra matmul is spent recomputing them."""
+    scales them: no logits are kept, and no extra matmul is spent recomputing them. The matmuls run on the
+    weight padded with zero rows to a multiple of HEAD_VOCAB_MULTIPLE; the padded logits are -inf, so the softmax,
+    the loss and the gradients are those of the unpadded vocabulary."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, weights: Tensor, total: Tensor | float,
                 compute_dtype: torch.dtype, chunk_rows: int) -> Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
-        w = weight.to(compute_dtype)
+        vocab = weight.shape[0]
+        padded_vocab = -(-vocab // HEAD_VOCAB_MULTIPLE) * HEAD_VOCAB_MULTIPLE
+        w = F.pad(weight.to(compute_dtype), (0, 0, 0, padded_vocab - vocab))
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=weight.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, h.shape[0], chunk_rows):
@@ -380,6 +387,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 yc = yc.masked_fill(ignored, 0)
                 wc = weights[rows].masked_fill(ignored, 0) / total
                 logits = (hc @ w.t()).float()
+                logits[:, vocab:] = float("-inf")  # the padding rows: probability 0, gradient 0
                 lse = torch.logsumexp(logits, dim=-1)
                 target = logits.gather(1, yc[:, None]).squeeze(1)
                 loss += ((lse - target) * wc).sum()
@@ -388,7 +396,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 dlogits = (dlogits * wc[:, None]).to(compute_dtype)
                 grad_h[rows] = (dlogits @ w).to(h.dtype)
                 grad_w += (dlogits.t() @ hc).float()
-        ctx.save_for_backward(grad_h.view_as(hidden), grad_w)
+        ctx.save_for_backward(grad_h.view_as(hidden), grad_w[:vocab])
         ctx.weight_dtype = weight.dtype
         return loss
 

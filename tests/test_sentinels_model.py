@@ -136,12 +136,13 @@ def test_loss_mask_counts_only_masked_positions():
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])
 @pytest.mark.parametrize("masked", [False, True])
-def test_chunked_head_loss_equals_the_loss_of_the_full_logits(chunk_rows, masked):
+@pytest.mark.parametrize("vocab", [11, 64, 65])  # padded for the matmuls (to 64, none, 128)
+def test_chunked_head_loss_equals_the_loss_of_the_full_logits(chunk_rows, masked, vocab):
     """lm_head_loss (the trainer's loss: no full logits) = lm_loss(hidden @ W.T): value, d/dhidden, d/dW."""
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 9, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, 11, (2, 9), generator=g)
+    weight = torch.randn(vocab, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, 9), generator=g)
     labels[0, 2] = labels[1, 5] = -100  # ignored positions (packed batches use them)
     mask = (torch.rand(2, 9, generator=g) < 0.5).double() if masked else None
     want = lm_loss(hidden @ weight.t(), labels, mask)
