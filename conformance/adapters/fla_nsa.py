@@ -29,7 +29,9 @@ fla's conventions, with the source line that shows each (fla-core 0.6.0):
   at least 16: their forward tiles are the next power of two of d_k and d_v with no floor of 16 (parallel.py:618,
   compression.py:396), and Triton's dot refuses smaller tiles (every call with d_k = 4, d_v = 2 raised a
   CompilationError on an H200);
-- arithmetic in float32 whatever the inputs (`x.float()`, naive.py:72, 162): precision "float32".
+- arithmetic in float32 whatever the inputs (`x.float()`, naive.py:72, 162): precision "float32". The Triton kernels
+  call `tl.dot` on float32 tiles without an input precision (parallel.py, compression.py), so Triton's default
+  applies: TF32 on NVIDIA GPUs, 10 mantissa bits, errors near 1e-3 on O(1) outputs.
 
 What the adapter adds, and why:
 - `mean_pooling` is a Triton kernel behind an autotuner (ops/utils/pooling.py), which cannot run without a GPU:
@@ -40,12 +42,16 @@ What the adapter adds, and why:
   them as it does; PARALLEL does the same with parallel_nsa_compression, parallel_nsa_topk and parallel_nsa given
   those indices (parallel.py:908-938); float64 inputs reach the Triton kernels in float32 (they compute in float32
   anyway), outputs are cast back;
+- PARALLEL asks Triton for IEEE float32 dots (`TRITON_F32_DEFAULT=ieee`, unless the caller set that variable;
+  Triton keys its compile cache on it): at TF32 every float32 check would measure TF32 rounding, not NSA. The
+  semantic checks do not depend on it;
 - fla returns the blocks in score order, some -1 slots in between: the adapter sorts them ascending, -1 last;
 - reads: fla counts none (reads=None).
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -152,6 +158,7 @@ def parallel_nsa_forward(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig,
     k, v = _check(kv, cfg)
     if q.device.type != "cuda":
         raise NotCovered("fla's parallel_nsa runs on CUDA only")
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # float32 dots in IEEE, not TF32 (module docstring)
     dtype = q.dtype
     if dtype == torch.float64:  # its kernels compute in float32: float64 inputs are passed in float32
         q, k, v, gates = (t.float() for t in (q, k, v, gates))
