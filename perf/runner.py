@@ -3,9 +3,10 @@
 Order: phase 1 times the whole layer (SDPA, every NSA variant and every other library, fwd and fwd_bwd) for every
 T, so the headline speedups are measured first; phase 2 times the NSA stages for every T.
 
-Budget: before each warm-up call and before the timed rounds, the runner checks that the calls still to
-make (at the last measured time per call) end inside the budget; a case that would not is recorded as
-skipped with its estimate, and the sweep goes on with cheaper cases. A case whose previous-T time, scaled
+Budget: before each warm-up call the runner checks that this call (at the last measured time per call) ends
+inside the budget, and before the timed rounds that all of them (at the last warm-up's time) do; first calls
+that compile or autotune are never taken for the cost of the warm calls. A case that would not fit is recorded
+as skipped with its estimate, and the sweep goes on with cheaper cases. A case whose previous-T time, scaled
 as T^2, already cannot fit is skipped before its inputs are built. `--resume` runs the skipped cases in a
 later command and merges the rows.
 
@@ -187,13 +188,12 @@ class Runner:
             row.selected_tokens = prepared.token_count
             skipped = False
             for done_warmups in range(spec.warmup):
-                # The build's first call, and on a fresh machine the first warm-up too, include compilation,
-                # autotuning and lazy kernel loading: warm-ups are judged by the budget only, and the per-case cap
-                # judges the timed calls by the last warm-up's time. The first warm-up needs room for itself only
-                # (judged by the build's time, an autotuning call can be 1000x a warm one); the later ones for
-                # every call left, at the previous warm-up's time.
-                calls_left = 1 if done_warmups == 0 else spec.warmup - done_warmups + timed_calls
-                if self._skip(row, estimate, calls_left, "measured", use_cap=False):
+                # The build's first call, and the first warm-ups too (a library may autotune its backward on the
+                # first backward after the build, and a fresh machine loads kernels lazily), include compilation,
+                # autotuning and lazy kernel loading: an autotuning call can be 1000x a warm one. So each warm-up
+                # needs room for itself only, judged by the budget at the previous call's time; the timed calls are
+                # judged, by the budget and the per-case cap, at the last warm-up's time.
+                if self._skip(row, estimate, 1, "measured", use_cap=False):
                     skipped = True
                     break
                 estimate = self.timer.wall_once(prepared.run)
