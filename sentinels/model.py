@@ -322,6 +322,26 @@ class NSALanguageModel(nn.Module):
         return stats
 
 
+def _routed_attention(model: nn.Module) -> list[nn.Module]:
+    """The attention modules that choose between the torch path and the kernels (backend, range_backend)."""
+    return [m for m in model.modules() if hasattr(m, "backend") and hasattr(m, "range_backend")]
+
+
+def on_torch_path(model: nn.Module) -> None:
+    """Every attention layer of model on the torch path (backend and range_backend "torch"): the path that applies
+    the visibility and scoring rules through optimized.masks' seams, where the kernels compute them themselves."""
+    for module in _routed_attention(model):
+        module.backend = module.range_backend = "torch"
+
+
+def all_on_torch_path(model: nn.Module) -> bool:
+    """Whether every attention layer already runs the torch path ("torch", or "auto" off CUDA)."""
+    def torch_path(module: nn.Module, choice: str) -> bool:
+        device = next(module.parameters()).device
+        return choice == "torch" or (choice == "auto" and device.type != "cuda")
+    return all(torch_path(m, m.backend) and torch_path(m, m.range_backend) for m in _routed_attention(model))
+
+
 def build_model(cfg: RunConfig) -> NSALanguageModel:
     return NSALanguageModel(cfg.model, cfg.vocab_size())
 

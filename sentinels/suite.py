@@ -44,7 +44,7 @@ from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .isolation import (check_causal_isolation, isolation_length, logits_of, no_tf32, probe_positions,
                         probes_for, summarize)
-from .model import build_model, lm_loss, packs_documents
+from .model import all_on_torch_path, build_model, lm_loss, on_torch_path, packs_documents
 from .plants import PLANTS, Plant
 from .profiles import SENTINELS, Profile
 from .trainer import Trainer, TrainResult
@@ -235,15 +235,24 @@ class SentinelRunner:
                               wall_s=time.monotonic() - t0, planted=planted)
 
 
-    def causal_isolation(self, plant: Plant | None = None, *, planted: str | None = None) -> SentinelResult:
+    def causal_isolation(self, plant: Plant | None = None, *, planted: str | None = None,
+                         torch_path: bool = False) -> SentinelResult:
         """The run model, untrained, at the run's geometry (T > n*l' + w; several documents when the run config
-        packs them): changing token t, or only one branch's keys/values at t, moves no logit at p < t."""
+        packs them): changing token t, or only one branch's keys/values at t, moves no logit at p < t.
+
+        A seam plant (a replaced visibility or scoring rule of optimized.masks) that the model's path does not
+        apply (on CUDA the kernels compute those rules themselves) is run again with every attention layer on
+        the torch path (torch_path: backend and range_backend "torch"), which applies the rules through the
+        seams: the row then says which path tripped, and stays not applicable only if that path ignores the
+        plant too."""
         t0 = time.monotonic()
         cfg = self.run_config.replace(**(plant.overrides if plant else {}))
         nsa = cfg.model.nsa_config()
         device = torch.device(self.profile.device)
         torch.manual_seed(self.check_seed)
         model = build_model(cfg).to(device)
+        if torch_path:
+            on_torch_path(model)
         T = isolation_length(nsa, cfg.train.seq_len)
         cu_seqlens = None
         if cfg.data.packing == "varlen" and packs_documents(cfg.model.attention):
@@ -267,7 +276,14 @@ class SentinelRunner:
         if planted_logits is not None:
             clean = logits_of(model, tokens, cu_seqlens, precision)
             changed = float((planted_logits - clean).abs().max()) / max(out.scale, 1e-30) > out.bound_rel
-        return self._isolation_result("causal_isolation", out, handle, planted, t0, changed=changed)
+        result = self._isolation_result("causal_isolation", out, handle, planted, t0, changed=changed)
+        if result.verdict == NOT_APPLICABLE and not torch_path and not all_on_torch_path(model):
+            retry = self.causal_isolation(plant, planted=planted, torch_path=True)
+            retry.summary = (f"on the torch path (backend and range_backend 'torch'; the default path does not "
+                             f"apply the plant: {result.summary}) - {retry.summary}")
+            retry.wall_s += result.wall_s
+            return retry
+        return result
 
     def _isolation_result(self, name: str, out, handle, planted: str | None, t0: float, *,
                           changed: bool | None = None) -> SentinelResult:

@@ -149,6 +149,59 @@ def test_a_seam_plant_that_changes_nothing_is_not_applicable(tmp_path):
     assert "logits are those of the unplanted model" in row.summary
 
 
+def _path_aware_plant(monkeypatch, broken_factory):
+    """A window-seam plant applied only once the model is on the torch path, as on CUDA where the kernels compute
+    the window rule themselves and ignore the replaced seam; all_on_torch_path answers for that stand-in."""
+    import sentinels.suite as suite_module
+    from sentinels.plants import Plant
+
+    state = {"torch_path": False}
+    real_on_torch_path = suite_module.on_torch_path
+
+    def on_torch_path(model):
+        state["torch_path"] = True
+        real_on_torch_path(model)
+
+    monkeypatch.setattr(suite_module, "on_torch_path", on_torch_path)
+    monkeypatch.setattr(suite_module, "all_on_torch_path", lambda model: state["torch_path"])
+
+    def factory(original):
+        broken = broken_factory(original)
+        return lambda *args, **kwargs: (broken if state["torch_path"] else original)(*args, **kwargs)
+
+    return Plant("kernel_window", "the window rule, replaced where the torch path reads it", "none",
+                 seams={"window_key_visible": factory})
+
+
+def test_a_seam_plant_the_default_path_ignores_trips_on_the_torch_path(tmp_path, monkeypatch):
+    """A seam plant the default path does not apply is run again with the layers on the torch path, and trips
+    there: the row says which path tripped."""
+    plant = _path_aware_plant(monkeypatch, PLANTS["window_next_key"].seams["window_key_visible"])
+    row = _runner(tmp_path).causal_isolation(plant, planted=plant.name)
+    assert row.verdict == FAIL and row.metrics["first"]["p"] < row.metrics["first"]["t"], row.summary
+    assert row.summary.startswith("on the torch path") and "does not apply the plant" in row.summary
+
+
+def test_a_seam_plant_both_paths_ignore_stays_not_applicable(tmp_path, monkeypatch):
+    plant = _path_aware_plant(monkeypatch, lambda original: original)
+    row = _runner(tmp_path).causal_isolation(plant, planted=plant.name)
+    assert row.verdict == NOT_APPLICABLE and row.summary.startswith("on the torch path"), row.summary
+
+
+def test_on_torch_path_sets_every_attention_layer():
+    from sentinels.model import all_on_torch_path, build_model, on_torch_path
+
+    cfg = load_config(TINY)
+    model = build_model(cfg)
+    assert all_on_torch_path(model)  # "auto" off CUDA is the torch path
+    layers = [m for m in model.modules() if hasattr(m, "range_backend")]
+    assert layers, "the tiny config's model has no routed attention layers"
+    layers[-1].range_backend = "triton"
+    assert not all_on_torch_path(model)
+    on_torch_path(model)
+    assert all_on_torch_path(model) and all(m.backend == m.range_backend == "torch" for m in layers)
+
+
 def test_seed_reseeds_every_run(tmp_path):
     runner = _runner(tmp_path)
     runner.seed = 7
