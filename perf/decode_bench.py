@@ -139,6 +139,7 @@ def run_case(cfg: NSAConfig, context: int, batch: int, args, device: torch.devic
     case.setup_s = time.perf_counter() - t0
 
     times, emits = [], []
+    timer.hold_clocks(args.hold_clocks_s)
     for i in range(steps):
         L = cache.lengths
         emit = bool((complete_blocks(L + 1, cfg) > complete_blocks(L, cfg)).any())
@@ -223,6 +224,7 @@ def step_times_us(fn, args, device: torch.device, timer: Timer) -> list[float]:
         run = graph.replay
     else:
         run = fn
+    timer.hold_clocks(args.hold_clocks_s)
     for _ in range(args.warmup):
         run()
     return [timer.once_ms(run) * 1e3 for _ in range(args.steps)]
@@ -237,7 +239,8 @@ def environment(device: torch.device, args) -> dict:
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "python": sys.version.split()[0], "compile": args.compile and device.type == "cuda", "steps": args.steps,
             "warmup": args.warmup, "dtype": "bf16" if device.type == "cuda" else "fp32",
-            "timing": ("both sides CUDA graphs, CUDA-event time per step after an L2 flush" if device.type == "cuda"
+            "timing": (f"both sides CUDA graphs, {args.hold_clocks_s:g} s of matmuls right before each side's steps "
+                       "(working clocks), CUDA-event time per step after an L2 flush" if device.type == "cuda"
                        else "CPU smoke run: eager steps, perf_counter time per step"),
             "l2_flush_bytes": FLUSH_BYTES if device.type == "cuda" else CPU_FLUSH_BYTES}
     if device.type == "cuda":
@@ -409,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"consecutive timed decode steps per case (default {MIN_STEPS}; a reported mean needs "
                              f">= {MIN_STEPS}, so that 64 / d emission steps are among them)")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps before them (the first gives the reads)")
+    parser.add_argument("--hold-clocks-s", type=float, default=0.3,
+                        help="seconds of matmuls on the GPU right before each side's warm-up steps, so the steps "
+                             "start at its working clocks (default 0.3; 0: none)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="run the NSA torch stages through torch.compile inside the graphs (the lean step's "
                         "Eq. 7 emission; the whole plan/selection/gate stages where the lean step does not apply); "

@@ -45,6 +45,7 @@ class Timer:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device=device)
+        self._spin: torch.Tensor | None = None  # hold_clocks' operand, allocated on first use
 
     def synchronize(self) -> None:
         if self.is_cuda:
@@ -52,6 +53,20 @@ class Timer:
 
     def flush_cache(self) -> None:
         self._flush.zero_()
+
+    def hold_clocks(self, seconds: float) -> None:
+        """Keep the GPU busy with bf16 matmuls for `seconds` of wall time, so the timed calls that follow start at
+        its working clocks: an idle GPU sits at a few hundred MHz and ramps up over a fraction of a second, more
+        than a handful of microsecond-long warm-up calls (a decode step) take. Nothing on CPU."""
+        if not self.is_cuda or seconds <= 0:
+            return
+        if self._spin is None:
+            self._spin = torch.randn(2048, 2048, device=self.device, dtype=torch.bfloat16)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(8):
+                torch.mm(self._spin, self._spin)
+            self.synchronize()
 
     def wall_once(self, fn: Callable[[], object]) -> float:
         """One synchronized run, wall-clock seconds (used for warm-up and to estimate a case's cost)."""

@@ -36,3 +36,21 @@ def test_decode_bench_cpu_smoke(tmp_path, single_torch_thread):
     (tmp_path / "decode_bench.md").write_text("tampered")
     assert decode_bench.main(["--report-from", str(tmp_path / "decode_bench.csv"), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "decode_bench.md").read_text() == text
+
+
+def test_each_side_starts_its_steps_right_after_holding_the_clocks(tmp_path, single_torch_thread, monkeypatch):
+    """The NSA steps and each SDPA form's steps are preceded by Timer.hold_clocks(--hold-clocks-s): an idle GPU
+    ramps its clocks over longer than a few decode steps take, so the first case of a process was timed slow."""
+    from perf.timing import Timer
+
+    events = []
+    real_once = Timer.once_ms
+    monkeypatch.setattr(Timer, "hold_clocks", lambda self, seconds: events.append(("hold", seconds)))
+    monkeypatch.setattr(Timer, "once_ms", lambda self, fn: events.append(("time", None)) or real_once(self, fn))
+    assert decode_bench.main(["--device", "cpu", "--tiny", "--contexts", "256", "--batches", "1", "--steps", "3",
+                              "--warmup", "1", "--hold-clocks-s", "0.25", "--out", str(tmp_path)]) == 0
+    holds = [i for i, (kind, _) in enumerate(events) if kind == "hold"]
+    assert events[0] == ("hold", 0.25) and all(events[i][1] == 0.25 for i in holds)
+    forms = json.loads(next(csv.DictReader(open(tmp_path / "decode_bench.csv")))["sdpa_forms_us"])
+    assert len(holds) == 1 + len(forms)  # the NSA side, then every SDPA form
+    assert all(events[i + 1][0] == "time" for i in holds[:1])  # the NSA warm-up steps are timed one by one
