@@ -362,26 +362,10 @@ def test_case_cap_skips_slow_cases_and_says_so(tmp_path, one_thread):
         preset("tiny", case_cap_s=0)
 
 
-def _slow_first_call(monkeypatch, seconds: float) -> None:
-    """SDPA cases whose build (which makes the first call) takes `seconds` longer, as compiling or autotuning does;
-    the warm calls after it are as fast as ever."""
-    import time as time_module
-
-    import perf.runner as runner_module
-
-    real_build = runner_module.build_sdpa_case
-
-    def slow_build(pass_name, inputs, spec, seed):
-        prepared = real_build(pass_name, inputs, spec, seed)
-        time_module.sleep(seconds)
-        return prepared
-
-    monkeypatch.setattr(runner_module, "build_sdpa_case", slow_build)
-
-
-def _slow_first_runs(monkeypatch, seconds: float, runs: int) -> None:
-    """SDPA cases whose build and first `runs` calls after it each take `seconds` longer (a library that autotunes
-    its backward on the first backward after the build); the calls after them are as fast as ever."""
+def _slow_first_runs(monkeypatch, seconds: float, runs: int = 0) -> None:
+    """SDPA cases whose build (which makes the first call) and first `runs` calls after it each take `seconds`
+    longer, as compiling or autotuning does (a library may autotune its backward again on the first call after
+    the build); the calls after them are as fast as ever."""
     import time as time_module
 
     import perf.runner as runner_module
@@ -414,7 +398,7 @@ def _sdpa_statuses(**spec_changes) -> list[str]:
 def test_case_cap_judges_warm_calls_not_the_compiling_first_call(one_thread, monkeypatch):
     """A first call that is slow because it compiles must not get the case skipped by the cap: the cap is applied
     to the time of a warm call."""
-    _slow_first_call(monkeypatch, 0.5)  # the "compile": 0.5 s x 3 calls would pass the 1 s cap, a warm call does not
+    _slow_first_runs(monkeypatch, 0.5)  # the "compile": 0.5 s x 3 calls would pass the 1 s cap, a warm call does not
     statuses = _sdpa_statuses(repeats=2, rounds=1, warmup=1, case_cap_s=1.0)
     assert [status for status, _ in statuses] == [OK], statuses
 
@@ -423,7 +407,7 @@ def test_time_budget_judges_warm_calls_not_the_autotuning_first_call(one_thread,
     """A build whose first call autotunes (slow) must not get the case skipped by the time budget when one warm-up
     fits: the calls left are judged at a warm call's time (a library autotuning its kernels took 27 s for a call
     of milliseconds)."""
-    _slow_first_call(monkeypatch, 0.5)  # the "autotuning": 22 more calls of 0.5 s would not fit, warm ones do
+    _slow_first_runs(monkeypatch, 0.5)  # the "autotuning": 22 more calls of 0.5 s would not fit, warm ones do
     statuses = _sdpa_statuses(repeats=10, rounds=2, warmup=2, time_budget_s=3.0)
     assert [status for status, _ in statuses] == [OK], statuses
 
