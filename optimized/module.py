@@ -16,6 +16,14 @@ from .dispatch import check_backend
 from .forward import BRANCHES, check_branches, nsa_forward
 
 
+def cast_once_for_autocast(x: Tensor) -> Tensor:
+    """x in the autocast dtype when autocast is on for its device (what each matmul would cast it to), else x:
+    matmuls that share an input then share one low-precision copy of it, and backward keeps that copy once."""
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 class NSAAttention(ReferenceNSAAttention):
     """One NSA attention layer. backend (the selected branch) and range_backend (every other stage) take
     nsa_forward's values: "auto" (the default: the Triton kernels for CUDA tensors, the torch path elsewhere;
@@ -36,21 +44,24 @@ class NSAAttention(ReferenceNSAAttention):
     def project(self, x: Tensor, position_offset: int = 0, *,
                 cu_seqlens: Tensor | None = None) -> tuple[Tensor, BranchKV, Tensor]:
         """reference.NSAAttention.project with fewer kernels: q and the three branches' k and v come from one
-        matmul over the concatenated weights (one cast of x under autocast instead of seven), and RoPE rotates q
-        and the three k in one call (its angles computed once). The same parameters and the same function; only
-        the matmul's blocking may round differently. q, k and v are views of the matmul's output (last dim
-        contiguous)."""
+        matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
+        computed once). Under autocast x is cast once, for that matmul and the gate MLP, so backward keeps one
+        low-precision copy of x instead of one per matmul. q and k are views of RoPE's output; v is copied out
+        of the matmul's output, so what backward keeps of it is v alone (the pre-RoPE q and k are not kept
+        alive through views). The same parameters and the same function; only the matmul's blocking may round
+        differently."""
         B, T, _ = x.shape
         cfg = self.cfg
         Hq, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
         positions = token_positions(T, position_offset, cu_seqlens, B, x.device)
+        x = cast_once_for_autocast(x)
         weight = torch.cat([self.q_proj.weight, *(getattr(self, f"k_{b}_proj").weight for b in BRANCHES),
                             *(getattr(self, f"v_{b}_proj").weight for b in BRANCHES)])
         y = F.linear(x, weight)
         n_qk = (Hq + len(BRANCHES) * Hkv) * dk
         qk = apply_rope(y[..., :n_qk].view(B, T, Hq + len(BRANCHES) * Hkv, dk), positions, self.rope_base)
         ks = qk[:, :, Hq:].split(Hkv, dim=2)
-        vs = y[..., n_qk:].view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
+        vs = y[..., n_qk:].contiguous().view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
         gates = torch.sigmoid(self.gate(x)).view(B, T, Hq, 3)
         return qk[:, :, :Hq], kv, gates

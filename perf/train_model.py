@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from optimized.module import cast_once_for_autocast
 from reference.config import NSAConfig
 from reference.module import apply_rope, token_positions
 from sentinels.config import RunConfig, load_config
@@ -117,8 +118,10 @@ class DenseAttention(nn.Module):
                                      reads=torch.zeros(3, dtype=torch.int64, device=device))
 
     def project(self, x: Tensor, position_offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, T, Hq, dk] and k [B, T, Hkv, dk] rotated, v [B, T, Hkv, dv]."""
+        """q [B, T, Hq, dk] and k [B, T, Hkv, dk] rotated, v [B, T, Hkv, dv]. x is cast once under autocast for
+        the three projections, as NSAAttention.project does for its one."""
         B, T, _ = x.shape
+        x = cast_once_for_autocast(x)
         positions = token_positions(T, position_offset, None, B, x.device)
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim_qk), positions, self.rope_base)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim_qk), positions, self.rope_base)

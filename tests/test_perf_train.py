@@ -67,6 +67,26 @@ def test_dense_attention_is_causal_gqa_over_the_nsa_layers_projections(tmp_path,
     torch.testing.assert_close(dense(x), _reference_dense(dense, x), atol=1e-5, rtol=1e-5)
 
 
+def test_dense_attention_under_autocast_keeps_one_copy_of_x(tmp_path, one_thread):
+    """The dense layer casts x once for its three projections under autocast, as the NSA layer does for its one
+    matmul and gate MLP: the memory comparison is between two layers that keep one low-precision copy each."""
+    cfg = TINY.run_config(seq_len=12, micro_batch=1, grad_accum=1, steps=1, device="cpu", out_dir=tmp_path)
+    dense = DenseAttention(build_model(cfg).blocks[0].attn)
+    x = torch.randn(1, 12, cfg.model.d_model, requires_grad=True) * 1.0  # an activation, as in the model
+    saved = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        dense(x)
+    x_low = x.detach().to(torch.bfloat16).reshape(-1)
+    copies = [t for t in saved.values() if t.dtype == torch.bfloat16 and t.numel() == x_low.numel()
+              and torch.equal(t.detach().reshape(-1), x_low)]
+    assert len(copies) == 1, [tuple(t.shape) for t in copies]
+
+
 def test_dense_trainer_holds_only_the_dense_parameters(one_thread):
     unused = ("k_cmp_proj", "v_cmp_proj", "k_win_proj", "v_win_proj", ".gate.", ".phi_")
     with trainer_for(TINY, "nsa", batch_plan(16, 32, 32), steps=1, device=torch.device("cpu")) as nsa_trainer:
