@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from reference.config import NSAConfig
 from reference.contract import KV, BranchKV, NSAOutput, PhiWeights
@@ -46,7 +47,8 @@ class NSAAttention(ReferenceNSAAttention):
         """reference.NSAAttention.project with fewer kernels: q and the three branches' k and v come from one
         matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
         computed once). Under autocast x is cast once, for that matmul and the gate MLP, so backward keeps one
-        low-precision copy of x instead of one per matmul. q and k are views of RoPE's output; v is copied out
+        low-precision copy of x instead of one per matmul, and the gate MLP's hidden activations are recomputed in
+        backward. q and k are views of RoPE's output; v is copied out
         of the matmul's output, so what backward keeps of it is v alone (the pre-RoPE q and k are not kept
         alive through views). The same parameters and the same function; only the matmul's blocking may round
         differently."""
@@ -63,7 +65,10 @@ class NSAAttention(ReferenceNSAAttention):
         ks = qk[:, :, Hq:].split(Hkv, dim=2)
         vs = y[..., n_qk:].contiguous().view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
-        gates = torch.sigmoid(self.gate(x)).view(B, T, Hq, 3)
+        # The gate MLP's hidden activations (2 x d_model values per token) are recomputed in backward rather than
+        # kept: one small matmul pair per layer for a third of what the layer would otherwise keep beyond dense.
+        gate_logits = checkpoint(self.gate, x, use_reentrant=False) if torch.is_grad_enabled() else self.gate(x)
+        gates = torch.sigmoid(gate_logits).view(B, T, Hq, 3)
         return qk[:, :, :Hq], kv, gates
 
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,

@@ -72,7 +72,8 @@ def test_the_layer_output_equals_the_reference_layer():
 def test_under_autocast_backward_keeps_one_copy_of_x_and_not_the_pre_rope_projection():
     """What autograd saves for a layer on the kernels under bf16 autocast (the training setup on CUDA; here in
     Triton's interpreter): one bf16 copy of x, shared by the q/k/v matmul and the gate MLP (not one per matmul),
-    and v without the matmul output it was cut from (its pre-RoPE q and k)."""
+    no hidden activation of the gate MLP (recomputed in backward), and v without the matmul output it was cut
+    from (its pre-RoPE q and k)."""
     torch.manual_seed(4)
     opt = optimized.NSAAttention(24, CFG, gate_hidden=10, backend="triton", range_backend="triton")
     T = 19  # gate_hidden 10: no other [T, 24] activation
@@ -88,6 +89,7 @@ def test_under_autocast_backward_keeps_one_copy_of_x_and_not_the_pre_rope_projec
         opt.functional_forward(q, kv, gates, opt.phi_weights())
     x_copies = [s for s in saved.values() if s == (T * 24 * 2, torch.bfloat16)]
     assert len(x_copies) == 1, saved
+    assert all(nbytes != T * 10 * 2 for nbytes, _ in saved.values()), saved  # no gate MLP hidden activation
     width = (CFG.n_heads + 3 * CFG.n_kv_heads) * CFG.head_dim_qk + 3 * CFG.n_kv_heads * CFG.head_dim_v
     projection_bytes = T * width * 2  # the q/k/v matmul's bf16 output
     assert all(nbytes != projection_bytes for nbytes, _ in saved.values()), saved
