@@ -335,10 +335,13 @@ def on_torch_path(model: nn.Module) -> None:
 
 
 def all_on_torch_path(model: nn.Module) -> bool:
-    """Whether every attention layer already runs the torch path ("torch", or "auto" off CUDA)."""
+    """Whether every attention layer already runs the torch path ("torch", or "auto" where optimized's dispatch
+    would not pick the kernels for the layer's parameters)."""
+    from optimized.dispatch import auto_picks_kernels
+
     def torch_path(module: nn.Module, choice: str) -> bool:
-        device = next(module.parameters()).device
-        return choice == "torch" or (choice == "auto" and device.type != "cuda")
+        weight = next(module.parameters())
+        return choice == "torch" or (choice == "auto" and not auto_picks_kernels(weight.device, weight.dtype))
     return all(torch_path(m, m.backend) and torch_path(m, m.range_backend) for m in _routed_attention(model))
 
 
