@@ -187,7 +187,7 @@ class Runner:
             row.note = prepared.note
             row.selected_tokens = prepared.token_count
             skipped = False
-            for done_warmups in range(spec.warmup):
+            for _ in range(spec.warmup):
                 # The build's first call, and the first warm-ups too (a library may autotune its backward on the
                 # first backward after the build, and a fresh machine loads kernels lazily), include compilation,
                 # autotuning and lazy kernel loading: an autotuning call can be 1000x a warm one. So each warm-up
