@@ -69,27 +69,24 @@ def test_the_layer_output_equals_the_reference_layer():
     torch.testing.assert_close(opt(x), ref(x), rtol=1e-10, atol=1e-12)
 
 
-def test_under_autocast_backward_keeps_one_copy_of_x_and_not_the_pre_rope_projection():
+def test_under_autocast_backward_keeps_one_copy_of_x_and_not_the_pre_rope_projection(saved_under_bf16_autocast):
     """What autograd saves for a layer on the kernels under bf16 autocast (the training setup on CUDA; here in
     Triton's interpreter): one bf16 copy of x, shared by the q/k/v matmul and the gate MLP (not one per matmul),
     no hidden activation of the gate MLP (recomputed in backward), and v without the matmul output it was cut
     from (its pre-RoPE q and k)."""
     torch.manual_seed(4)
     opt = optimized.NSAAttention(24, CFG, gate_hidden=10, backend="triton", range_backend="triton")
-    T = 19  # gate_hidden 10: no other [T, 24] activation
+    T = 19  # gate_hidden 10: no other [T, 10] activation
     x = torch.randn(1, T, 24, requires_grad=True) * 1.0  # an activation (autocast caches the casts of leaves)
-    saved = {}
 
-    def keep(t):
-        saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
-        return t
-
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    def layer():
         q, kv, gates = opt.project(x)
         opt.functional_forward(q, kv, gates, opt.phi_weights())
-    x_copies = [s for s in saved.values() if s == (T * 24 * 2, torch.bfloat16)]
-    assert len(x_copies) == 1, saved
-    assert all(nbytes != T * 10 * 2 for nbytes, _ in saved.values()), saved  # no gate MLP hidden activation
+
+    saved, copies_of = saved_under_bf16_autocast(layer)
+    shapes = [(tuple(t.shape), t.dtype) for t in saved]
+    assert len(copies_of(x)) == 1 and not copies_of(x, torch.float32), shapes  # one copy, in bf16
+    storage_bytes = [t.untyped_storage().nbytes() for t in saved]
+    assert T * 10 * 2 not in storage_bytes, shapes  # no gate MLP hidden activation
     width = (CFG.n_heads + 3 * CFG.n_kv_heads) * CFG.head_dim_qk + 3 * CFG.n_kv_heads * CFG.head_dim_v
-    projection_bytes = T * width * 2  # the q/k/v matmul's bf16 output
-    assert all(nbytes != projection_bytes for nbytes, _ in saved.values()), saved
+    assert T * width * 2 not in storage_bytes, shapes  # not the q/k/v matmul's bf16 output

@@ -67,23 +67,14 @@ def test_dense_attention_is_causal_gqa_over_the_nsa_layers_projections(tmp_path,
     torch.testing.assert_close(dense(x), _reference_dense(dense, x), atol=1e-5, rtol=1e-5)
 
 
-def test_dense_attention_under_autocast_keeps_one_copy_of_x(tmp_path, one_thread):
+def test_dense_attention_under_autocast_keeps_one_copy_of_x(tmp_path, one_thread, saved_under_bf16_autocast):
     """The dense layer casts x once for its three projections under autocast, as the NSA layer does for its one
     matmul and gate MLP: the memory comparison is between two layers that keep one low-precision copy each."""
     cfg = TINY.run_config(seq_len=12, micro_batch=1, grad_accum=1, steps=1, device="cpu", out_dir=tmp_path)
     dense = DenseAttention(build_model(cfg).blocks[0].attn)
     x = torch.randn(1, 12, cfg.model.d_model, requires_grad=True) * 1.0  # an activation, as in the model
-    saved = {}
-
-    def keep(t):
-        saved[t.untyped_storage().data_ptr()] = t
-        return t
-
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        dense(x)
-    x_low = x.detach().to(torch.bfloat16).reshape(-1)
-    copies = [t for t in saved.values() if t.dtype == torch.bfloat16 and t.numel() == x_low.numel()
-              and torch.equal(t.detach().reshape(-1), x_low)]
+    _, copies_of = saved_under_bf16_autocast(lambda: dense(x))
+    copies = copies_of(x)
     assert len(copies) == 1, [tuple(t.shape) for t in copies]
 
 
