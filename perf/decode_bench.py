@@ -17,7 +17,7 @@ Reads: the tokens the first NSA step gathered (counted by the kernels), next to 
 
     python -m perf.decode_bench                      # H100 sweep -> reports/decode (or --out DIR)
     python -m perf.decode_bench --compile            # the same with the torch stages through torch.compile
-    python -m perf.decode_bench --device cpu --tiny --out /tmp/decode  # CPU smoke run (eager, no graphs)
+    python -m perf.decode_bench --device cpu --tiny --out decode-smoke  # CPU smoke run (eager, no graphs)
 
 Writes decode_bench.csv, decode_bench.md (table next to Table 4), decode_bench.png and decode_bench.json.
 """
