@@ -54,12 +54,14 @@ def max_abs(a: Tensor, b: Tensor) -> float:
 
 
 def close(what: str, got: Tensor, want: Tensor, *, precision: Precision, record_metric, metric: str,
-          rtol: float, low: Callable[[], Tensor] | None = None, oracle: Tensor | None = None) -> float:
+          rtol: float, low: Callable[[], Tensor] | None = None, oracle: Tensor | None = None,
+          floor: float = 0.0) -> float:
     """Assert got == want within float64 rounding: |got - want| <= rtol (1 + max |want|). For an implementation
-    computing in float32, judge by the error-ratio rule instead: |got - want| <= 2 |low() - oracle| + ATOL, where
-    low() is the same computation by the reference (or the test's own oracle) in float32 on the inputs rounded to
-    float32 and oracle its float64 value (default want). Records the metric (kind "tolerance" or "ratio") and
-    returns it."""
+    computing in float32, judge by the error-ratio rule instead: |got - want| <= 2 |low() - oracle| + ATOL + floor,
+    where low() is the same computation by the reference (or the test's own oracle) in float32 on the inputs
+    rounded to float32, oracle its float64 value (default want), and floor an error that every float32 computation
+    of this check makes whatever its order, derived by the test from its inputs (default 0; e.g.
+    `logit_rounding_floor`). Records the metric (kind "tolerance" or "ratio") and returns it."""
     err = max_abs(got, want)
     if not precision.float64 and low is None:
         raise TypeError(f"{what}: a check of a {precision.dtype} implementation needs low= (the reference in that "
@@ -71,12 +73,30 @@ def close(what: str, got: Tensor, want: Tensor, *, precision: Precision, record_
         record_metric(metric, value, kind="tolerance")
         assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (float64 tolerance {rtol:g} relative)"
         return value
-    budget = 2 * max_abs(low(), want if oracle is None else oracle) + ATOL
+    budget = 2 * max_abs(low(), want if oracle is None else oracle) + ATOL + floor
     value = err / budget
     record_metric(metric, value, kind="ratio")
+    with_floor = f" + rounding floor {floor:.3g}" if floor else ""
     assert value <= 1, (f"{what}: error ratio {value:.3g} > 1 at {str(precision.dtype).replace('torch.', '')} "
-                        f"(max error {err:.3g}, budget 2 x the reference's own error + {ATOL:g} = {budget:.3g})")
+                        f"(max error {err:.3g}, budget 2 x the reference's own error + {ATOL:g}{with_floor} = "
+                        f"{budget:.3g})")
     return value
+
+
+def logit_rounding_floor(q: Tensor, k: Tensor, v: Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """The output error of softmax attention (Eq. 2) that one rounding of each logit to `dtype` causes, which every
+    computation in that precision makes whatever its order of operations. A logit s rounded once carries
+    |ds| <= u |s| (u the unit roundoff); with softmax weights p the output sum_i p_i v_i then moves by
+    sum_i p_i (ds_i - sum_j p_j ds_j) v_i, at most 2 u max|s| max|v|, and |s| <= max ||q|| max ||k|| / sqrt(d_k)
+    (Cauchy-Schwarz). Negligible for logits of order 1; with logits near 1e5 in float32 it is about 1e-2 max|v|,
+    larger than the reference's own error on many draws: the error-ratio rule alone would then judge rounding luck.
+    q [..., d_k], k [..., d_k], v [..., d_v]: every query, key and value the output can read."""
+    if not (q.numel() and k.numel() and v.numel()):
+        return 0.0
+    u = torch.finfo(dtype).eps / 2
+    qn = float(q.detach().double().norm(dim=-1).max())
+    kn = float(k.detach().double().norm(dim=-1).max())
+    return 2 * u * qn * kn / math.sqrt(q.shape[-1]) * float(v.detach().double().abs().max())
 
 
 def rounded(x, dtype: torch.dtype = torch.float32):
