@@ -113,12 +113,25 @@ def large_logit_fields(impl, control, cfg, T, seed, device, sign):
             for f in fields}
 
 
-def summary(rows: list[dict], card: str, check: str, branch: str | None, control: str, seconds: float) -> str:
+def describe_device(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return f"{name}, torch {torch.__version__}"
+
+
+def command_line(argv: list[str]) -> str:
+    """The command that made a summary, its output folder written DIR."""
+    args = ["DIR" if i and argv[i - 1] == "--out" else "--out=DIR" if a.startswith("--out=") else a
+            for i, a in enumerate(argv)]
+    return " ".join(["python -m conformance.spread", *args])
+
+
+def summary(rows: list[dict], card: str, check: str, branch: str | None, control: str, seconds: float,
+            device: str, command: str) -> str:
     fields = list(dict.fromkeys(r["field"] for r in rows))
     draws = len({r["draw"] for r in rows})
     floors = any(float(r["floor"]) for r in rows)
     lines = [f"# Error spread: {card}, {check}" + (f", gates on the {branch} branch only" if branch else ""),
-             "", f"{draws} draws in {seconds:.0f} s; control `{control}` on the same float32 inputs. Ratio = error "
+             "", f"`{command}`", "", f"{draws} draws in {seconds:.0f} s on {device}; control `{control}` on the same float32 inputs. Ratio = error "
              f"against the float64 reference / (2 x the reference's float32 error + {ATOL:g}"
              + (" + logit-rounding floor" if floors else "") + "); a ratio above 1 fails the suite's check.", "",
              "| field | implementation: median / p90 / max ratio | over 1 | control: median / p90 / max ratio | over 1 |"
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-t", type=int, default=40, help="longest sequence drawn (default 40)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, metavar="DIR")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.draws < 1 or args.max_t < 2:
         parser.error("--draws must be at least 1 and --max-t at least 2")
@@ -193,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    text = summary(rows, args.card, args.check, args.branch, args.control, time.time() - start)
+    text = summary(rows, args.card, args.check, args.branch, args.control, time.time() - start,
+                   describe_device(device), command_line(argv))
     Path(f"{stem}.md").write_text(text)
     print(text)
     return 0

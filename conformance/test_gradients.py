@@ -45,11 +45,13 @@ def gate_mask(caps) -> torch.Tensor:
     return torch.tensor([float(b in caps.branches) for b in ("cmp", "slc", "win")], dtype=torch.float64)
 
 
-def check_gradients(what: str, impl_fn, reference_fn, inputs: tuple, precision, record_metric,
-                    masks: dict[int, torch.Tensor] | None = None) -> None:
+def check_gradients(what: str, impl_fn, reference_fn, inputs: dict[str, torch.Tensor], precision, record_metric,
+                    masks: dict[str, torch.Tensor] | None = None) -> None:
     """float64 gradcheck of impl_fn; for an implementation computing in float32, its gradients (of a fixed random
     loss, float64 inputs) against the reference's by the error-ratio rule (the reference in float32 as budget).
-    masks: input position -> a factor applied to both sides' gradients of that input (gates not taken)."""
+    inputs: name -> tensor, in impl_fn's argument order; masks: input name -> a factor applied to both sides'
+    gradients of that input (gates not taken)."""
+    names, inputs = list(inputs), tuple(inputs.values())
     if precision.float64:
         assert torch.autograd.gradcheck(impl_fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
         return
@@ -63,10 +65,11 @@ def check_gradients(what: str, impl_fn, reference_fn, inputs: tuple, precision, 
 
     cand, oracle = grads(impl_fn, torch.float64), grads(reference_fn, torch.float64)
     low = grads(reference_fn, torch.float32)
-    for i, mask in (masks or {}).items():
+    for name, mask in (masks or {}).items():
+        i = names.index(name)
         cand[i], oracle[i], low[i] = (g * mask.to(g) for g in (cand[i], oracle[i], low[i]))
-    for i, (c, o, lo) in enumerate(zip(cand, oracle, low)):
-        close(f"{what}: gradient of input {i}", c, o, precision=precision, record_metric=record_metric,
+    for name, c, o, lo in zip(names, cand, oracle, low):
+        close(f"{what}: gradient of {name}", c, o, precision=precision, record_metric=record_metric,
               metric=f"gradient_{what}", rtol=1e-10, low=lambda lo=lo: lo)
 
 
@@ -99,10 +102,8 @@ def test_gradcheck_nsa_forward(impl, envelope, device, precision, record_metric,
             return stages.nsa_forward(q, kv, gates, cfg, phi_w).o
         return f
 
-    names = list(named_tensors(x))
-    check_gradients(f"nsa_forward_phi_{phi}", run(impl, device), run(REFERENCE, "cpu"),
-                    tuple(named_tensors(x).values()), precision, record_metric,
-                    masks={names.index("gates"): gate_mask(impl.caps)})
+    check_gradients(f"nsa_forward_phi_{phi}", run(impl, device), run(REFERENCE, "cpu"), named_tensors(x), precision,
+                    record_metric, masks={"gates": gate_mask(impl.caps)})
 
 
 @pytest.mark.parametrize("branch", ["cmp", "slc", "win"])
@@ -127,7 +128,8 @@ def test_gradcheck_branch_stage(impl, envelope, device, precision, record_metric
             return stages.window_attention(q, k, v, cfg)
         return f
 
-    check_gradients(f"{branch}_stage", run(impl, device), run(REFERENCE, "cpu"), (x.q, *x.kv.branch(branch)),
+    k, v = x.kv.branch(branch)
+    check_gradients(f"{branch}_stage", run(impl, device), run(REFERENCE, "cpu"), {"q": x.q, "k": k, "v": v},
                     precision, record_metric)
 
 

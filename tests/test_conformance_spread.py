@@ -53,6 +53,7 @@ def test_gradients_tell_a_loss_of_precision_from_the_control(imprecise_card, tmp
         assert max(control) <= 1, (field, control)
     text = (tmp_path / "spread-imprecise-gradients.md").read_text()
     assert "| o |" in text and "4 draws" in text
+    assert "`python -m conformance.spread imprecise --check gradients --draws 4 --max-t 10 --out DIR`" in text
 
 
 def test_large_logits_list_the_floor_and_the_ratio_without_it(imprecise_card, tmp_path):
