@@ -11,7 +11,9 @@
   the paper), replayed by a DecodeGraph over rows of different lengths with padding queries: = the bf16 prefill by
   the error-ratio rule (teacher-forced), >= 99% the free-running prefill's selections, and = the seam-by-seam
   kernel path (selections >= 99%, reads);
-- counted reads of one step at 64k with the paper config reproduce Table 4 minus one (lean step).
+- counted reads of one step at 64k with the paper config reproduce Table 4 minus one (lean step);
+- the lean step's Eq. 7 emission kernel at the paper layout (d = 128, l = 32, phi mlp, batch 16), by the same rule
+  against the torch emission on the same bf16 cache (oracle: the torch emission in float64).
 """
 
 from __future__ import annotations
@@ -229,3 +231,43 @@ def test_step_reads_at_64k_reproduce_table_4_on_gpu():
     assert out.reads.cmp.unique().tolist() == [(s - 32) // 16 + 1]
     assert out.reads.slc.unique().tolist() == [1024] and out.reads.win.unique().tolist() == [512]
     assert int(out.reads.total[0, 0, 0]) == 5632 - 1
+
+
+@pytest.mark.parametrize("phi", ["mlp", "avg"])
+def test_emission_kernel_paper_layout(phi):
+    from optimized.decode.emission import new_compressed_blocks
+    from optimized.kernels.decode_emission import emit_step_block
+    from reference.contract import PhiWeights
+
+    cfg = NSAConfig.preset("paper", phi=phi)
+    B, H, D, l, d = 16, cfg.n_kv_heads, cfg.head_dim_qk, cfg.cmp_block, cfg.cmp_stride
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([l - 1 + d * i if i % 4 else 1000 + i for i in range(B)], device="cuda")  # 12 emit
+    n_new = torch.ones(B, dtype=torch.int64, device="cuda")
+    n_new[5] = 0
+    phi_w = PhiWeights.init(cfg, 128, generator=g, dtype=torch.bfloat16).to(device="cuda") if phi == "mlp" else None
+    raw = tuple(torch.randn(B, H, l + 1, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    new = tuple(torch.randn(B, 1, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    slots = 4096
+    kernel = tuple(torch.full((B, H, slots + 1, D), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    emit_step_block(lengths, n_new, *new, raw, kernel, l, d, phi_w)
+
+    def by_torch(dtype):
+        w = phi_w.to(dtype=dtype) if phi_w is not None else None
+        blocks = new_compressed_blocks(KV(*(r[:, :, :l].to(dtype) for r in raw)), lengths, n_new,
+                                       *(t.to(dtype) for t in new), cfg, w, trash=slots)
+        return blocks
+
+    low, oracle = by_torch(torch.bfloat16), by_torch(torch.float64)
+    emitted = low.slots[:, 0] < slots
+    assert int(emitted.sum()) == 11  # rows 1-3, 5-7 minus the padding row 5, 9-11, 13-15: 11
+    rows = emitted.nonzero().flatten()
+    for side, (got_store, want_low, want64) in enumerate(zip(kernel, (low.k, low.v), (oracle.k, oracle.v))):
+        got = torch.stack([got_store[b, :, low.slots[b, 0]] for b in rows.tolist()])  # [rows, H, D]
+        stored = want_low[rows, 0].to(torch.bfloat16)  # the torch emission as the cache stores it
+        assert error_ratio(got, stored, want64[rows, 0]) <= 1.0, ("k", "v")[side]
+        untouched = got_store.clone()
+        for b in rows.tolist():
+            untouched[b, :, low.slots[b, 0]] = 7.0
+        assert bool((untouched == 7.0).all()), "the kernel wrote a slot other than the completed blocks'"
+

@@ -51,7 +51,7 @@ class NSADecodeCache:
     kernel path run the lean step (six Triton launches, optimized/decode/lean.py) unless lean_step=False, which
     keeps them on the seam-by-seam kernel path of every other call (for comparisons). Which convention seams each
     path honours: docs/decode.md. compile_stages=True runs the
-    torch stages of a call (planning, the Eq. 8-11 seams, the gates; the lean step's Eq. 7 emission) through
+    torch stages of a call (planning, the Eq. 8-11 seams, the gates; the lean step's Eq. 7 emission in fp32) through
     torch.compile (one compilation per shape; eager calls then scan up to the next power of two of the longest row,
     so shapes change rarely).
     """
@@ -194,7 +194,9 @@ class NSADecodeCache:
         cfg = self.cfg
         L = self.device_lengths
         if self.uses_lean_step(q.shape[1]):
-            if emit:  # Eq. 7: from the raw ring before the step's key replaces anything in it
+            if emit and lean.emits_in_kernel(self.dtype):  # Eq. 7, before the step's key enters the raw ring
+                lean.lean_emit(self, kv, n_new)
+            elif emit:  # fp32 caches: phi in float64 (compression.compute_dtype), in torch
                 blocks = self._emit(self.cmp_raw.usable(), L, n_new, kv.cmp.k, kv.cmp.v, cfg, self.phi,
                                     trash=self.compressed.trash)
                 self.compressed.write(blocks.slots, blocks.k, blocks.v)

@@ -4,18 +4,23 @@ launches (optimized/kernels/decode_step.py) instead of the ~30 small kernels of 
 The kernels compute every convention themselves from the config's switches (window_keys, cmp_visibility,
 selection_score, group_reduce, l, d, l', n, n_init, n_local, w), so the lean step honours none of the convention
 seams of optimized.masks except masks.eq9_pool_weights, whose band it checks against the overlap band its kernels
-compute (a RuntimeError otherwise); phi only matters to the Eq. 7 emission, which stays in torch (and so honours
-the seams of optimized.compression). A replaced seam changes decode on the torch backend (docs/decode.md).
+compute (a RuntimeError otherwise). The Eq. 7 emission of a step that completes a compressed block is one more
+launch in half precision (optimized/kernels/decode_emission.py: phi avg or mlp in fp32, the compute dtype of
+optimized.compression's torch phi, whose seams it does not read); an fp32 cache computes phi in float64 and keeps
+the torch emission (which honours those seams). A replaced seam changes decode on the torch backend
+(docs/decode.md).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from reference.config import NSAConfig
 from reference.contract import BranchKV, NSAOutput, Reads
 
 from .. import masks
+from ..dispatch import compute_dtype
 
 
 def step_rules(cfg: NSAConfig):
@@ -50,3 +55,21 @@ def lean_step(cache, q: Tensor, kv: BranchKV, gates: Tensor, n_new: Tensor, boun
                            masks.sel_block_count(bound, cfg))
     return NSAOutput(o=out.o, indices=out.indices, o_cmp=out.o_cmp, o_slc=out.o_slc, o_win=out.o_win,
                      reads=Reads(cmp=out.reads_cmp, slc=out.reads_slc, win=out.reads_win))
+
+
+def emits_in_kernel(dtype: torch.dtype) -> bool:
+    """Whether the lean step's Eq. 7 emission runs on the kernel: caches whose phi computes in fp32
+    (optimized.dispatch.compute_dtype), i.e. bf16 and fp16."""
+    return compute_dtype(dtype) == torch.float32
+
+
+def lean_emit(cache, kv: BranchKV, n_new: Tensor) -> None:
+    """Eq. 7 on the lean step: write the compressed token each row's step completes into cache.compressed, from the
+    raw ring before the step's append (one launch; rows that complete no block write nothing)."""
+    from optimized.kernels.decode_emission import emit_step_block
+
+    cfg = cache.cfg
+    k_new, v_new = (t.to(cache.dtype).contiguous() for t in (kv.cmp.k, kv.cmp.v))
+    emit_step_block(cache.device_lengths, n_new, k_new, v_new, (cache.cmp_raw.k, cache.cmp_raw.v),
+                    (cache.compressed.k, cache.compressed.v), cfg.cmp_block, cfg.cmp_stride,
+                    cache.phi if cfg.phi == "mlp" else None)
