@@ -240,16 +240,17 @@ def test_emission_kernel_paper_layout(phi):
     from reference.contract import PhiWeights
 
     cfg = NSAConfig.preset("paper", phi=phi)
-    B, H, D, l, d = 16, cfg.n_kv_heads, cfg.head_dim_qk, cfg.cmp_block, cfg.cmp_stride
+    B, H, l, d = 16, cfg.n_kv_heads, cfg.cmp_block, cfg.cmp_stride
+    dims = (cfg.head_dim_qk, cfg.head_dim_v)  # 192 and 128: a key width that is not a power of two
     g = torch.Generator().manual_seed(3)
     lengths = torch.tensor([l - 1 + d * i if i % 4 else 1000 + i for i in range(B)], device="cuda")  # 12 emit
     n_new = torch.ones(B, dtype=torch.int64, device="cuda")
     n_new[5] = 0
     phi_w = PhiWeights.init(cfg, 128, generator=g, dtype=torch.bfloat16).to(device="cuda") if phi == "mlp" else None
-    raw = tuple(torch.randn(B, H, l + 1, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
-    new = tuple(torch.randn(B, 1, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    raw = tuple(torch.randn(B, H, l + 1, D, generator=g).to("cuda", torch.bfloat16) for D in dims)
+    new = tuple(torch.randn(B, 1, H, D, generator=g).to("cuda", torch.bfloat16) for D in dims)
     slots = 4096
-    kernel = tuple(torch.full((B, H, slots + 1, D), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kernel = tuple(torch.full((B, H, slots + 1, D), 7.0, device="cuda", dtype=torch.bfloat16) for D in dims)
     emit_step_block(lengths, n_new, *new, raw, kernel, l, d, phi_w)
 
     def by_torch(dtype):

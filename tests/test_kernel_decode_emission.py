@@ -29,7 +29,7 @@ def eq7_block(keys: torch.Tensor, i: int, cfg: NSAConfig, w) -> torch.Tensor:
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 @pytest.mark.parametrize("l, d", [(4, 2), (4, 4), (6, 3)])
 def test_emission_writes_the_completed_block_and_nothing_else(phi, l, d, monkeypatch):
-    monkeypatch.setattr(decode_emission, "_hidden_tile", lambda hidden, dim: 16)  # several hidden chunks
+    monkeypatch.setattr(decode_emission, "_hidden_tile", lambda hidden: 16)  # several hidden tiles and chunks
     cfg = NSAConfig(cmp_block=l, cmp_stride=d, sel_block=max(l, d) * 2, n_sel=2, n_init=1, n_local=1, window=4,
                     n_heads=2, n_kv_heads=2, head_dim_qk=16, head_dim_v=12, phi=phi)
     g = torch.Generator().manual_seed(l * 10 + d)

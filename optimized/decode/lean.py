@@ -4,8 +4,8 @@ launches (optimized/kernels/decode_step.py) instead of the ~30 small kernels of 
 The kernels compute every convention themselves from the config's switches (window_keys, cmp_visibility,
 selection_score, group_reduce, l, d, l', n, n_init, n_local, w), so the lean step honours none of the convention
 seams of optimized.masks except masks.eq9_pool_weights, whose band it checks against the overlap band its kernels
-compute (a RuntimeError otherwise). The Eq. 7 emission of a step that completes a compressed block is one more
-launch in half precision (optimized/kernels/decode_emission.py: phi avg or mlp in fp32, the compute dtype of
+compute (a RuntimeError otherwise). The Eq. 7 emission of a step that completes a compressed block is one or two
+more launches in half precision (optimized/kernels/decode_emission.py: phi avg or mlp in fp32, the compute dtype of
 optimized.compression's torch phi, whose seams it does not read); an fp32 cache computes phi in float64 and keeps
 the torch emission (which honours those seams). A replaced seam changes decode on the torch backend
 (docs/decode.md).
@@ -65,7 +65,8 @@ def emits_in_kernel(dtype: torch.dtype) -> bool:
 
 def lean_emit(cache, kv: BranchKV, n_new: Tensor) -> None:
     """Eq. 7 on the lean step: write the compressed token each row's step completes into cache.compressed, from the
-    raw ring before the step's append (one launch; rows that complete no block write nothing)."""
+    raw ring before the step's append (one launch for mean pooling, two for the MLP; rows that complete no block
+    write nothing)."""
     from optimized.kernels.decode_emission import emit_step_block
 
     cfg = cache.cfg

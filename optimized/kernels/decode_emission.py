@@ -1,20 +1,25 @@
-"""The lean decode step's Eq. 7 emission in one launch: the compressed token a step's new key completes.
+"""The lean decode step's Eq. 7 emission in one or two launches: the compressed token a step's new key completes.
 
-A step appends key L to a row holding L keys. It completes compressed block i = (L - l) / d + 1 - 1 exactly when
+A step appends key L to a row holding L keys. It completes compressed block i = (L + 1 - l) / d exactly when
 L + 1 - l is a non-negative multiple of d (blocks cover keys [i*d, i*d + l), Eq. 7). The block's l keys are the
 new key (the last one) and l - 1 keys of the compression branch's raw ring (slot t mod R, R >= l - 1), read before
 the step's append overwrites a slot. phi is mean pooling, or the MLP w2^T silu(w1^T flatten(block + pos) + b1) + b2,
-computed in fp32 (exact fp32 dots) like optimized.compression's torch phi, and the result is stored in the
-compressed store's slot i. Rows that complete no block (most steps; padding rows with n_new = 0) store nothing.
+computed to fp32 accuracy like optimized.compression's torch phi (half-precision weights: the fp32 operand split
+into three parts of the weights' dtype, each through the tensor cores), and the result is stored in the compressed
+store's slot i. Rows that complete no block (most steps; padding rows with n_new = 0) store nothing.
 
-Grid (row tiles of BLOCK_M (batch row, KV head) pairs, 2): axis 1 picks keys or values, each with its own phi.
-The MLP streams w1 one block row at a time ([D, BLOCK_HID] tiles) and folds each hidden chunk into the output
-through w2 at once, so no [rows, hidden] tensor leaves the program. Replaces the ~50 small torch kernels of
-optimized.decode.emission.new_compressed_blocks on the lean step (docs/decode.md).
+Work is spread so that no program walks the block's l rows one dependent load after another (the latency of such a
+chain, not arithmetic, sets the time of a step's emission): mean pooling is one launch, grid (row tiles of BLOCK_M
+(batch row, KV head) pairs, keys | values), its l loads unrolled. The MLP is two: the first splits the l block rows
+into ROWS_PER_SPLIT-row groups and the hidden units into tiles, grid (row tiles, side x split, hidden tile), each
+program writing its fp32 partial of w1^T flatten(block + pos) to a workspace; the second, grid (row tiles, side),
+sums the partials in split order (deterministic), adds b1, applies silu and w2, adds b2 and stores. Replaces the ~55
+small torch kernels of optimized.decode.emission.new_compressed_blocks on the lean step (docs/decode.md).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -25,86 +30,180 @@ BLOCK_M = 16  # (row, head) pairs per program: the smallest dot extent
 
 
 @triton.jit
-def _emit_side(RAW, NEW, STORE, POS, W1, B1, W2, B2, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring,
-               store_extent, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr,
-               D: tl.constexpr, HIDDEN: tl.constexpr, PHI_MLP: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr):
-    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = rows < n_rows
-    b = rows // HKV
-    h = rows % HKV
-    length = tl.load(LENGTHS + b, mask=row_ok, other=0)  # keys before the step; the new key is key `length`
-    n_new = tl.load(N_NEW + b, mask=row_ok, other=0)
-    after = length + n_new
-    # Eq. 7 block count: floor((n - l) / d) + 1 for n >= l, else 0 (written without negative division)
-    first = tl.where(length >= CMP_BLOCK, (length - CMP_BLOCK) // CMP_STRIDE + 1, 0)
-    last = tl.where(after >= CMP_BLOCK, (after - CMP_BLOCK) // CMP_STRIDE + 1, 0)
-    emitted = row_ok & (last > first)  # one new key completes at most one block: block `first`
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    load_mask = emitted[:, None] & d_ok[None, :]
-    ring_base = RAW + (b * HKV + h) * raw_extent * D
-    new_base = NEW + (b * HKV + h) * D  # new [B, 1, Hkv, D]
-
-    out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if PHI_MLP:
-        offs_hid = tl.arange(0, BLOCK_HID)
-        for h0 in range(0, HIDDEN, BLOCK_HID):
-            hid_ok = h0 + offs_hid < HIDDEN
-            hidden = tl.zeros([BLOCK_M, BLOCK_HID], dtype=tl.float32)
-            for j in range(CMP_BLOCK):
-                token = first * CMP_STRIDE + j  # Eq. 7 block row j
-                from_ring = token < length
-                x = tl.load(ring_base[:, None] + ((token % raw_ring) * D)[:, None] + offs_d[None, :],
-                            mask=load_mask & from_ring[:, None], other=0.0).to(tl.float32)
-                x += tl.load(new_base[:, None] + offs_d[None, :], mask=load_mask & ~from_ring[:, None],
-                             other=0.0).to(tl.float32)
-                x += tl.load(POS + j * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-                w1 = tl.load(W1 + (j * D + offs_d)[:, None] * HIDDEN + (h0 + offs_hid)[None, :],
-                             mask=d_ok[:, None] & hid_ok[None, :], other=0.0).to(tl.float32)
-                hidden += tl.dot(x, w1, input_precision="ieee")
-            hidden += tl.load(B1 + h0 + offs_hid, mask=hid_ok, other=0.0).to(tl.float32)[None, :]
-            hidden = hidden / (1.0 + tl.exp(-hidden))  # silu
-            w2 = tl.load(W2 + (h0 + offs_hid)[:, None] * D + offs_d[None, :],
-                         mask=hid_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            out += tl.dot(hidden, w2, input_precision="ieee")
-        out += tl.load(B2 + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+def _fp32_dot(x, w, acc, HALF_WEIGHTS: tl.constexpr):
+    """acc + x @ w for fp32 x and weights w, to fp32 accuracy. Half-precision weights are exact in their dtype, so x
+    is split into three parts of that dtype (x = hi + mid + lo up to ~2^-24 |x|) and each goes through the tensor
+    cores with fp32 accumulation; fp32 weights take an exact fp32 dot."""
+    if HALF_WEIGHTS:
+        hi = x.to(w.dtype)
+        rest = x - hi.to(tl.float32)
+        mid = rest.to(w.dtype)
+        lo = (rest - mid.to(tl.float32)).to(w.dtype)
+        acc = tl.dot(hi, w, acc)
+        acc = tl.dot(mid, w, acc)
+        acc = tl.dot(lo, w, acc)
     else:
-        for j in range(CMP_BLOCK):
-            token = first * CMP_STRIDE + j
-            from_ring = token < length
-            out += tl.load(ring_base[:, None] + ((token % raw_ring) * D)[:, None] + offs_d[None, :],
-                           mask=load_mask & from_ring[:, None], other=0.0).to(tl.float32)
-            out += tl.load(new_base[:, None] + offs_d[None, :], mask=load_mask & ~from_ring[:, None],
-                           other=0.0).to(tl.float32)
-        out = out / CMP_BLOCK
-    slot = (b * HKV + h) * store_extent + first
-    tl.store(STORE + slot[:, None] * D + offs_d[None, :], out.to(STORE.dtype.element_ty), mask=load_mask)
+        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+    return acc
 
 
 @triton.jit
-def _emit_kernel(RAW_K, RAW_V, NEW_K, NEW_V, STORE_K, STORE_V,
-                 POS_K, W1_K, B1_K, W2_K, B2_K, POS_V, W1_V, B1_V, W2_V, B2_V,
-                 LENGTHS, N_NEW, n_rows, raw_extent, raw_ring, store_extent,
-                 CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, HIDDEN_K: tl.constexpr, HIDDEN_V: tl.constexpr, PHI_MLP: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_HID_K: tl.constexpr,
-                 BLOCK_HID_V: tl.constexpr):
+def _rows(LENGTHS, N_NEW, row0, n_rows, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr,
+          BLOCK_M: tl.constexpr):
+    """The tile's (batch row, KV head) pairs: their flat index, the row's key count before the step, the block the
+    step would complete (Eq. 7 count before the step) and whether it completes it."""
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < n_rows
+    b = rows // HKV
+    length = tl.load(LENGTHS + b, mask=row_ok, other=0)  # keys before the step; the new key is key `length`
+    after = length + tl.load(N_NEW + b, mask=row_ok, other=0)
+    # Eq. 7 block count: floor((n - l) / d) + 1 for n >= l, else 0 (written without negative division)
+    first = tl.where(length >= CMP_BLOCK, (length - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+    last = tl.where(after >= CMP_BLOCK, (after - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+    return rows, length, first, row_ok & (last > first)  # one new key completes at most block `first`
+
+
+@triton.jit
+def _block_row(RAW, NEW, rows, length, first, emitted, j, raw_extent, raw_ring, offs_d, d_ok,
+               CMP_STRIDE: tl.constexpr, D: tl.constexpr):
+    """Row j of each pair's block [BLOCK_M, BLOCK_D] in fp32: key first*d + j, from the raw ring (slot t mod R) or,
+    for the step's own key, from the new token; 0 where the pair emits nothing."""
+    token = first * CMP_STRIDE + j
+    from_ring = token < length
+    mask = emitted[:, None] & d_ok[None, :]
+    x = tl.load(RAW + (rows * raw_extent + token % raw_ring)[:, None] * D + offs_d[None, :],
+                mask=mask & from_ring[:, None], other=0.0).to(tl.float32)
+    x += tl.load(NEW + rows[:, None] * D + offs_d[None, :], mask=mask & ~from_ring[:, None], other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _avg_side(RAW, NEW, STORE, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring, store_extent,
+              CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, length, first, emitted = _rows(LENGTHS, N_NEW, row0, n_rows, CMP_BLOCK, CMP_STRIDE, HKV, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(CMP_BLOCK):  # unrolled: the l loads are independent
+        out += _block_row(RAW, NEW, rows, length, first, emitted, j, raw_extent, raw_ring, offs_d, d_ok, CMP_STRIDE,
+                          D)
+    out = out / CMP_BLOCK
+    tl.store(STORE + (rows * store_extent + first)[:, None] * D + offs_d[None, :], out.to(STORE.dtype.element_ty),
+             mask=emitted[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _emit_avg_kernel(RAW_K, RAW_V, NEW_K, NEW_V, STORE_K, STORE_V, LENGTHS, N_NEW, n_rows, raw_extent, raw_ring,
+                     store_extent, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr,
+                     BLOCK_DV: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_M
     if tl.program_id(1) == 0:
-        _emit_side(RAW_K, NEW_K, STORE_K, POS_K, W1_K, B1_K, W2_K, B2_K, LENGTHS, N_NEW, row0, n_rows, raw_extent,
-                   raw_ring, store_extent, CMP_BLOCK, CMP_STRIDE, HKV, DK, HIDDEN_K, PHI_MLP, BLOCK_M, BLOCK_DK,
-                   BLOCK_HID_K)
+        _avg_side(RAW_K, NEW_K, STORE_K, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring, store_extent, CMP_BLOCK,
+                  CMP_STRIDE, HKV, DK, BLOCK_M, BLOCK_DK)
     else:
-        _emit_side(RAW_V, NEW_V, STORE_V, POS_V, W1_V, B1_V, W2_V, B2_V, LENGTHS, N_NEW, row0, n_rows, raw_extent,
-                   raw_ring, store_extent, CMP_BLOCK, CMP_STRIDE, HKV, DV, HIDDEN_V, PHI_MLP, BLOCK_M, BLOCK_DV,
-                   BLOCK_HID_V)
+        _avg_side(RAW_V, NEW_V, STORE_V, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring, store_extent, CMP_BLOCK,
+                  CMP_STRIDE, HKV, DV, BLOCK_M, BLOCK_DV)
 
 
-def _hidden_tile(hidden: int, d: int) -> int:
-    """Hidden units per chunk: the [D, chunk] fp32 w1 tile stays at <= 8192 elements (64 registers a thread with
-    4 warps), at least 16 (a dot's extent)."""
-    return max(16, min(triton.next_power_of_2(hidden), triton.next_power_of_2(max(1, 8192 // max(d, 1)))))
+@triton.jit
+def _hidden_side(RAW, NEW, POS, W1, WS, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring, split, h0,
+                 CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                 HIDDEN: tl.constexpr, ROWS_PER_SPLIT: tl.constexpr, HALF_WEIGHTS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr):
+    """WS[split, pair, h0 .. h0 + BLOCK_HID) = sum over block rows j of this split of (x_j + pos_j) @ w1[j*D .. (j+1)*D)
+    (the row-major flatten of (l, D), contract.PhiMLPWeights)."""
+    rows, length, first, emitted = _rows(LENGTHS, N_NEW, row0, n_rows, CMP_BLOCK, CMP_STRIDE, HKV, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_hid = h0 + tl.arange(0, BLOCK_HID)
+    hid_ok = offs_hid < HIDDEN
+    hidden = tl.zeros([BLOCK_M, BLOCK_HID], dtype=tl.float32)
+    for jj in tl.static_range(ROWS_PER_SPLIT):
+        j = split * ROWS_PER_SPLIT + jj
+        if j < CMP_BLOCK:
+            x = _block_row(RAW, NEW, rows, length, first, emitted, j, raw_extent, raw_ring, offs_d, d_ok, CMP_STRIDE,
+                           D)
+            x += tl.load(POS + j * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            w1 = tl.load(W1 + (j * D + offs_d)[:, None] * HIDDEN + offs_hid[None, :],
+                         mask=d_ok[:, None] & hid_ok[None, :], other=0.0)
+            hidden = _fp32_dot(x, w1, hidden, HALF_WEIGHTS)
+    tl.store(WS + (split * n_rows + rows)[:, None] * HIDDEN + offs_hid[None, :], hidden,
+             mask=emitted[:, None] & hid_ok[None, :])
+
+
+@triton.jit
+def _emit_hidden_kernel(RAW_K, RAW_V, NEW_K, NEW_V, POS_K, POS_V, W1_K, W1_V, WS_K, WS_V, LENGTHS, N_NEW, n_rows,
+                        raw_extent, raw_ring, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, HIDDEN_K: tl.constexpr, HIDDEN_V: tl.constexpr,
+                        SPLITS: tl.constexpr, ROWS_PER_SPLIT: tl.constexpr, HALF_WEIGHTS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        BLOCK_HID: tl.constexpr):
+    row0 = tl.program_id(0) * BLOCK_M
+    side = tl.program_id(1) // SPLITS
+    split = tl.program_id(1) % SPLITS
+    h0 = tl.program_id(2) * BLOCK_HID
+    if side == 0:
+        if h0 < HIDDEN_K:
+            _hidden_side(RAW_K, NEW_K, POS_K, W1_K, WS_K, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring, split,
+                         h0, CMP_BLOCK, CMP_STRIDE, HKV, DK, HIDDEN_K, ROWS_PER_SPLIT, HALF_WEIGHTS, BLOCK_M,
+                         BLOCK_DK, BLOCK_HID)
+    else:
+        if h0 < HIDDEN_V:
+            _hidden_side(RAW_V, NEW_V, POS_V, W1_V, WS_V, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring, split,
+                         h0, CMP_BLOCK, CMP_STRIDE, HKV, DV, HIDDEN_V, ROWS_PER_SPLIT, HALF_WEIGHTS, BLOCK_M,
+                         BLOCK_DV, BLOCK_HID)
+
+
+@triton.jit
+def _finish_side(WS, B1, W2, B2, STORE, LENGTHS, N_NEW, row0, n_rows, store_extent, CMP_BLOCK: tl.constexpr,
+                 CMP_STRIDE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HIDDEN: tl.constexpr,
+                 SPLITS: tl.constexpr, HALF_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_HID: tl.constexpr):
+    """out = w2^T silu(sum of the splits' partials + b1) + b2, stored in the completed block's slot."""
+    rows, length, first, emitted = _rows(LENGTHS, N_NEW, row0, n_rows, CMP_BLOCK, CMP_STRIDE, HKV, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for h0 in tl.static_range(0, HIDDEN, BLOCK_HID):
+        offs_hid = h0 + tl.arange(0, BLOCK_HID)
+        hid_ok = offs_hid < HIDDEN
+        hidden = tl.zeros([BLOCK_M, BLOCK_HID], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):  # fixed order: the same sum every run
+            hidden += tl.load(WS + (split * n_rows + rows)[:, None] * HIDDEN + offs_hid[None, :],
+                              mask=emitted[:, None] & hid_ok[None, :], other=0.0)
+        hidden += tl.load(B1 + offs_hid, mask=hid_ok, other=0.0).to(tl.float32)[None, :]
+        hidden = hidden / (1.0 + tl.exp(-hidden))  # silu
+        w2 = tl.load(W2 + offs_hid[:, None] * D + offs_d[None, :], mask=hid_ok[:, None] & d_ok[None, :], other=0.0)
+        out = _fp32_dot(hidden, w2, out, HALF_WEIGHTS)
+    out += tl.load(B2 + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(STORE + (rows * store_extent + first)[:, None] * D + offs_d[None, :], out.to(STORE.dtype.element_ty),
+             mask=emitted[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _emit_finish_kernel(WS_K, WS_V, B1_K, B1_V, W2_K, W2_V, B2_K, B2_V, STORE_K, STORE_V, LENGTHS, N_NEW, n_rows,
+                        store_extent, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, HIDDEN_K: tl.constexpr, HIDDEN_V: tl.constexpr,
+                        SPLITS: tl.constexpr, HALF_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_HID: tl.constexpr):
+    row0 = tl.program_id(0) * BLOCK_M
+    if tl.program_id(1) == 0:
+        _finish_side(WS_K, B1_K, W2_K, B2_K, STORE_K, LENGTHS, N_NEW, row0, n_rows, store_extent, CMP_BLOCK,
+                     CMP_STRIDE, HKV, DK, HIDDEN_K, SPLITS, HALF_WEIGHTS, BLOCK_M, BLOCK_DK, BLOCK_HID)
+    else:
+        _finish_side(WS_V, B1_V, W2_V, B2_V, STORE_V, LENGTHS, N_NEW, row0, n_rows, store_extent, CMP_BLOCK,
+                     CMP_STRIDE, HKV, DV, HIDDEN_V, SPLITS, HALF_WEIGHTS, BLOCK_M, BLOCK_DV, BLOCK_HID)
+
+
+ROWS_PER_SPLIT = 4  # block rows per program of the MLP's first phase (l = 32: 8 splits)
+
+
+def _hidden_tile(hidden: int) -> int:
+    """Hidden units per program of the first phase and per chunk of the second: at most 64 (the [D, 64] w1 tile of
+    D = 256 is 16384 values), at least 16 (a dot's extent)."""
+    return max(16, min(64, triton.next_power_of_2(hidden)))
 
 
 def emit_step_block(lengths: Tensor, n_new: Tensor, new_k: Tensor, new_v: Tensor, raw: tuple[Tensor, Tensor],
@@ -128,24 +227,27 @@ def emit_step_block(lengths: Tensor, n_new: Tensor, new_k: Tensor, new_v: Tensor
     n_rows = B * hkv
     if n_rows == 0:
         return
-    mlp = phi is not None
-    weights = []
-    hidden = []
-    for side in ((phi.k, dk), (phi.v, dv)) if mlp else ():
-        w, d = side
-        weights += [w.pos.contiguous(), w.w1.contiguous(), w.b1.contiguous(), w.w2.contiguous(),
-                    w.b2.contiguous()]
-        hidden.append(w.w1.shape[1])
-    if not mlp:  # the MLP pointers are never read: pass any tensor
-        weights = [new_k] * 10
-        hidden = [16, 16]
     block_dk, block_dv = (max(16, triton.next_power_of_2(d)) for d in (dk, dv))
-    grid = (triton.cdiv(n_rows, BLOCK_M), 2)
-    _emit_kernel[grid](
-        raw_k, raw_v, new_k, new_v, store_k, store_v, *weights, lengths, n_new, n_rows, raw_k.shape[2], ring,
-        store_k.shape[2],
-        CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, HKV=hkv, DK=dk, DV=dv, HIDDEN_K=hidden[0], HIDDEN_V=hidden[1],
-        PHI_MLP=mlp, BLOCK_M=BLOCK_M, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-        BLOCK_HID_K=_hidden_tile(hidden[0], block_dk), BLOCK_HID_V=_hidden_tile(hidden[1], block_dv),
-        num_warps=4, num_stages=1 if interpreting() else 2,
-    )
+    row_tiles = triton.cdiv(n_rows, BLOCK_M)
+    shape = dict(CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, HKV=hkv, DK=dk, DV=dv, BLOCK_M=BLOCK_M,
+                 BLOCK_DK=block_dk, BLOCK_DV=block_dv)
+    stages = 1 if interpreting() else 2
+    if phi is None:
+        _emit_avg_kernel[(row_tiles, 2)](raw_k, raw_v, new_k, new_v, store_k, store_v, lengths, n_new, n_rows,
+                                         raw_k.shape[2], ring, store_k.shape[2], **shape, num_warps=4,
+                                         num_stages=stages)
+        return
+    wk, wv = (tuple(t.contiguous() for t in (w.pos, w.w1, w.b1, w.w2, w.b2)) for w in (phi.k, phi.v))
+    hidden_k, hidden_v = wk[1].shape[1], wv[1].shape[1]
+    splits = triton.cdiv(cmp_block, ROWS_PER_SPLIT)
+    block_hid = _hidden_tile(max(hidden_k, hidden_v))
+    half = phi.k.w1.dtype in (torch.bfloat16, torch.float16) and not interpreting()  # the interpreter's half dots
+    ws_k, ws_v = (torch.empty((splits, n_rows, h), device=new_k.device, dtype=torch.float32)
+                  for h in (hidden_k, hidden_v))
+    mlp = dict(HIDDEN_K=hidden_k, HIDDEN_V=hidden_v, SPLITS=splits, HALF_WEIGHTS=half, BLOCK_HID=block_hid)
+    _emit_hidden_kernel[(row_tiles, 2 * splits, triton.cdiv(max(hidden_k, hidden_v), block_hid))](
+        raw_k, raw_v, new_k, new_v, wk[0], wv[0], wk[1], wv[1], ws_k, ws_v, lengths, n_new, n_rows, raw_k.shape[2],
+        ring, ROWS_PER_SPLIT=ROWS_PER_SPLIT, **shape, **mlp, num_warps=4, num_stages=stages)
+    _emit_finish_kernel[(row_tiles, 2)](
+        ws_k, ws_v, wk[2], wv[2], wk[3], wv[3], wk[4], wv[4], store_k, store_v, lengths, n_new, n_rows,
+        store_k.shape[2], **shape, **mlp, num_warps=4, num_stages=stages)
