@@ -4,7 +4,7 @@ skipped without a CUDA device.
 Option: --gpu-report-dir DIR (default reports/parity; registered in the root conftest.py, so that every pytest
 command line of the repository accepts it): where each module writes its report (<name>.json and .md, merged over
 pytest-xdist workers by conformance.helpers.finish_gpu_report); the tables are printed either way, e.g.
-`python -m pytest tests/gpu -n 6 --gpu-report-dir /tmp/gpu` or `python -m pytest -m gpu --gpu-report-dir /tmp/gpu`.
+`python -m pytest tests/gpu -n 6 --gpu-report-dir gpu-reports` or `python -m pytest -m gpu --gpu-report-dir gpu-reports`.
 """
 
 from __future__ import annotations
