@@ -87,8 +87,23 @@ def key_tile_rows(sel_block: int, cap: int) -> int:
     return rows
 
 
+def few_warps(block_h: int, block_dk: int, block_dv: int, dtype: torch.dtype) -> Tiling | None:
+    """The query-centric selected-attention launches (forward, dq) for a [16, d <= 128] half-precision query tile
+    (group sizes up to 16): one program per (query, group) is a chain of dependent gathers, and at 16k tokens on an
+    H100 fewer warps per program (more programs resident) ran faster than 4 or 8 warps: G = 6, d = 64 forward
+    1.26 -> 0.90 ms, dq 2.63 -> 2.04 ms with 32-key tiles, 1 warp, 3 stages; G = 16, d = 128 dq 11.3 -> 8.9 ms with
+    64-key tiles, 2 warps, 2 stages (perf/NOTES.md). None: the general heuristics."""
+    if torch.finfo(dtype).bits != 16 or block_h != MIN_DOT or max(block_dk, block_dv) > 128:
+        return None
+    return Tiling(32, 1, 3) if max(block_dk, block_dv) <= 64 else Tiling(64, 2, 2)
+
+
 def forward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
-    """Heuristic forward launch: the widest key tile (<= 64) whose pipelined K/V stages fit SMEM_BUDGET."""
+    """Heuristic forward launch: few_warps' for small half-precision query tiles; otherwise the widest key tile
+    (<= 64) whose pipelined K/V stages fit SMEM_BUDGET."""
+    small = few_warps(block_h, block_dk, block_dv, dtype)
+    if small is not None:
+        return Tiling(key_tile_rows(sel_block, small.block_n), small.num_warps, small.num_stages)
     elem = torch.finfo(dtype).bits // 8
     block_n = key_tile_rows(sel_block, 64)
     stages = 3
@@ -105,8 +120,12 @@ def forward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, d
 
 
 def dq_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
-    """Heuristic launch of the dq kernel (query-centric like the forward): narrower key tiles for wide heads and
-    fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and sum(P k) live in registers)."""
+    """Heuristic launch of the dq kernel (query-centric like the forward): few_warps' for small half-precision query
+    tiles; otherwise narrower key tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq,
+    its compensation and sum(P k) live in registers)."""
+    small = few_warps(block_h, block_dk, block_dv, dtype)
+    if small is not None:
+        return Tiling(key_tile_rows(sel_block, small.block_n), small.num_warps, small.num_stages)
     elem = torch.finfo(dtype).bits // 8
     cap = 64 if max(block_dk, block_dv) <= 128 and elem == 2 else 32
     block_n = key_tile_rows(sel_block, cap)
@@ -136,11 +155,16 @@ def heads_per_query(group: int) -> int:
 
 def dkdv_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> DkdvTiling:
     """Heuristic dk/dv launch. Half precision: 64 columns (e.g. 4 queries x 16 heads) against a key tile of up to
-    64 rows (32 for d > 128), so the fp32 dk/dv accumulators [block_n, d] stay in registers with 8 warps.
+    64 rows (32 for d > 128), so the fp32 dk/dv accumulators [block_n, d] stay in registers with 8 warps; for group
+    sizes up to 16 and d <= 128, 4 warps and the column count that measured fastest at 16k tokens on an H100
+    (G = 6, d = 64: 128 columns, 1.87 -> 1.07 ms; G = 16, d = 128: 32 columns, 7.8 -> 5.4 ms; perf/NOTES.md).
     fp32 (exact fp32 dots on CUDA cores, plus compensation terms): narrower tiles."""
     elem = torch.finfo(dtype).bits // 8
     width = max(block_dk, block_dv)
     heads = heads_per_query(group)
+    if elem == 2 and heads <= MIN_DOT and width <= 128:
+        return DkdvTiling(block_n=key_tile_rows(sel_block, 64), block_cols=max(128 if width <= 64 else 32, heads),
+                          num_warps=4, num_stages=2)
     if elem == 2:
         block_n = key_tile_rows(sel_block, 64 if width <= 128 else 32)
         cols = max(64, heads)
