@@ -99,6 +99,8 @@ def gradient_fields(impl, control, cfg, T, seed, device, branch):
 
 
 def large_logit_fields(impl, control, cfg, T, seed, device, sign):
+    """{field: (impl error, control error, reference float32 error, logit-rounding floor)} of one draw of the
+    large-logit check (logits near sign * 1e5, every block selected)."""
     from conformance.test_numerical_safety import large_logit_floor, large_logit_inputs
 
     reference = load_impl("reference")
@@ -106,7 +108,8 @@ def large_logit_fields(impl, control, cfg, T, seed, device, sign):
     ref64 = reference.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi)
     y = x.to(dtype=torch.float32)
     ref32 = reference.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi)
-    runs = [f.nsa_forward(*(lambda z: (z.q, z.kv, z.gates, cfg, z.phi))(y.to(device=device))) for f in (impl, control)]
+    z = y.to(device=device)
+    runs = [f.nsa_forward(z.q, z.kv, z.gates, cfg, z.phi) for f in (impl, control)]
     fields = [f for f in ("o_cmp", "o_slc", "o_win") if f[2:] in impl.caps.branches] + ["o"]
     return {f: tuple(max_abs_error(getattr(r, f), getattr(ref64, f)) for r in runs)
             + (max_abs_error(getattr(ref32, f), getattr(ref64, f)), large_logit_floor(x, f, torch.float32))
