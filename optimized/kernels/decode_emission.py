@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import interpreting
+from .common import MIN_DOT, interpreting, padded
+from .decode_tiles import emitted_cmp_count
 
-BLOCK_M = 16  # (row, head) pairs per program: the smallest dot extent
+BLOCK_M = MIN_DOT  # (row, head) pairs per program: the smallest dot extent
 
 
 @triton.jit
@@ -57,9 +58,8 @@ def _rows(LENGTHS, N_NEW, row0, n_rows, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.
     b = rows // HKV
     length = tl.load(LENGTHS + b, mask=row_ok, other=0)  # keys before the step; the new key is key `length`
     after = length + tl.load(N_NEW + b, mask=row_ok, other=0)
-    # Eq. 7 block count: floor((n - l) / d) + 1 for n >= l, else 0 (written without negative division)
-    first = tl.where(length >= CMP_BLOCK, (length - CMP_BLOCK) // CMP_STRIDE + 1, 0)
-    last = tl.where(after >= CMP_BLOCK, (after - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+    first = emitted_cmp_count(length, CMP_BLOCK, CMP_STRIDE)
+    last = emitted_cmp_count(after, CMP_BLOCK, CMP_STRIDE)
     return rows, length, first, row_ok & (last > first)  # one new key completes at most block `first`
 
 
@@ -78,6 +78,13 @@ def _block_row(RAW, NEW, rows, length, first, emitted, j, raw_extent, raw_ring, 
 
 
 @triton.jit
+def _store_block(STORE, out, rows, first, emitted, store_extent, offs_d, d_ok, D: tl.constexpr):
+    """The pairs' compressed tokens out [BLOCK_M, BLOCK_D] into store slot `first` of each pair that emits."""
+    tl.store(STORE + (rows * store_extent + first)[:, None] * D + offs_d[None, :], out.to(STORE.dtype.element_ty),
+             mask=emitted[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _avg_side(RAW, NEW, STORE, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_ring, store_extent,
               CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -88,9 +95,7 @@ def _avg_side(RAW, NEW, STORE, LENGTHS, N_NEW, row0, n_rows, raw_extent, raw_rin
     for j in tl.static_range(CMP_BLOCK):  # unrolled: the l loads are independent
         out += _block_row(RAW, NEW, rows, length, first, emitted, j, raw_extent, raw_ring, offs_d, d_ok, CMP_STRIDE,
                           D)
-    out = out / CMP_BLOCK
-    tl.store(STORE + (rows * store_extent + first)[:, None] * D + offs_d[None, :], out.to(STORE.dtype.element_ty),
-             mask=emitted[:, None] & d_ok[None, :])
+    _store_block(STORE, out / CMP_BLOCK, rows, first, emitted, store_extent, offs_d, d_ok, D)
 
 
 @triton.jit
@@ -178,8 +183,7 @@ def _finish_side(WS, B1, W2, B2, STORE, LENGTHS, N_NEW, row0, n_rows, store_exte
         w2 = tl.load(W2 + offs_hid[:, None] * D + offs_d[None, :], mask=hid_ok[:, None] & d_ok[None, :], other=0.0)
         out = _fp32_dot(hidden, w2, out, HALF_WEIGHTS)
     out += tl.load(B2 + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(STORE + (rows * store_extent + first)[:, None] * D + offs_d[None, :], out.to(STORE.dtype.element_ty),
-             mask=emitted[:, None] & d_ok[None, :])
+    _store_block(STORE, out, rows, first, emitted, store_extent, offs_d, d_ok, D)
 
 
 @triton.jit
@@ -203,7 +207,7 @@ ROWS_PER_SPLIT = 4  # block rows per program of the MLP's first phase (l = 32: 8
 def _hidden_tile(hidden: int) -> int:
     """Hidden units per program of the first phase and per chunk of the second: at most 64 (the [D, 64] w1 tile of
     D = 256 is 16384 values), at least 16 (a dot's extent)."""
-    return max(16, min(64, triton.next_power_of_2(hidden)))
+    return min(64, padded(hidden))
 
 
 def emit_step_block(lengths: Tensor, n_new: Tensor, new_k: Tensor, new_v: Tensor, raw: tuple[Tensor, Tensor],
@@ -227,7 +231,7 @@ def emit_step_block(lengths: Tensor, n_new: Tensor, new_k: Tensor, new_v: Tensor
     n_rows = B * hkv
     if n_rows == 0:
         return
-    block_dk, block_dv = (max(16, triton.next_power_of_2(d)) for d in (dk, dv))
+    block_dk, block_dv = padded(dk), padded(dv)
     row_tiles = triton.cdiv(n_rows, BLOCK_M)
     shape = dict(CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, HKV=hkv, DK=dk, DV=dv, BLOCK_M=BLOCK_M,
                  BLOCK_DK=block_dk, BLOCK_DV=block_dv)

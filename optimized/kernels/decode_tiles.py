@@ -113,12 +113,18 @@ def step_position(LENGTHS, N_NEW, b):
 
 
 @triton.jit
+def emitted_cmp_count(held, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
+    """Eq. 7: the compressed blocks whose l keys all lie in the `held` tokens of a row, floor((held - l)/d) + 1 for
+    held >= l, else 0 (written without dividing a negative number)."""
+    return tl.where(held >= CMP_BLOCK, (held - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+
+
+@triton.jit
 def visible_cmp_count(p, held, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, STRICT: tl.constexpr):
     """Eq. 7 (masks.compressed_block_visible): the compressed blocks query p reads are a prefix 0..count-1 of the
     store. Block i is visible iff its last key i*d + l - 1 is <= p ("inclusive", i <= (p - l + 1)/d) or < p
-    ("strict", i <= (p - l)/d), and it was emitted: i < floor((held - l)/d) + 1, the blocks whose l keys all lie in
-    the `held` tokens of the row."""
-    emitted = tl.where(held >= CMP_BLOCK, (held - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+    ("strict", i <= (p - l)/d), and it was emitted (emitted_cmp_count of the row's `held` tokens)."""
+    emitted = emitted_cmp_count(held, CMP_BLOCK, CMP_STRIDE)
     if STRICT:
         last = p - CMP_BLOCK  # the last block's first key is at most p - l
     else:
