@@ -87,23 +87,27 @@ def key_tile_rows(sel_block: int, cap: int) -> int:
     return rows
 
 
-def few_warps(block_h: int, block_dk: int, block_dv: int, dtype: torch.dtype) -> Tiling | None:
+def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling | None:
     """The query-centric selected-attention launches (forward, dq) for a [16, d <= 128] half-precision query tile
     (group sizes up to 16): one program per (query, group) is a chain of dependent gathers, and at 16k tokens on an
     H100 fewer warps per program (more programs resident) ran faster than 4 or 8 warps: G = 6, d = 64 forward
     1.26 -> 0.90 ms, dq 2.63 -> 2.04 ms with 32-key tiles, 1 warp, 3 stages; G = 16, d = 128 dq 11.3 -> 8.9 ms with
-    64-key tiles, 2 warps, 2 stages (perf/NOTES.md). None: the general heuristics."""
-    if torch.finfo(dtype).bits != 16 or block_h != MIN_DOT or max(block_dk, block_dv) > 128:
+    64-key tiles, 2 warps, 2 stages (perf/NOTES.md); key tiles no longer than key_tile_rows allows for l'. None:
+    the general heuristics."""
+    width = max(block_dk, block_dv)
+    if torch.finfo(dtype).bits != 16 or block_h != MIN_DOT or width > 128:
         return None
-    return Tiling(32, 1, 3) if max(block_dk, block_dv) <= 64 else Tiling(64, 2, 2)
+    if width <= 64:
+        return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=3)
+    return Tiling(key_tile_rows(sel_block, 64), num_warps=2, num_stages=2)
 
 
 def forward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
     """Heuristic forward launch: few_warps' for small half-precision query tiles; otherwise the widest key tile
     (<= 64) whose pipelined K/V stages fit SMEM_BUDGET."""
-    small = few_warps(block_h, block_dk, block_dv, dtype)
+    small = few_warps(block_h, block_dk, block_dv, sel_block, dtype)
     if small is not None:
-        return Tiling(key_tile_rows(sel_block, small.block_n), small.num_warps, small.num_stages)
+        return small
     elem = torch.finfo(dtype).bits // 8
     block_n = key_tile_rows(sel_block, 64)
     stages = 3
@@ -123,9 +127,9 @@ def dq_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype:
     """Heuristic launch of the dq kernel (query-centric like the forward): few_warps' for small half-precision query
     tiles; otherwise narrower key tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq,
     its compensation and sum(P k) live in registers)."""
-    small = few_warps(block_h, block_dk, block_dv, dtype)
+    small = few_warps(block_h, block_dk, block_dv, sel_block, dtype)
     if small is not None:
-        return Tiling(key_tile_rows(sel_block, small.block_n), small.num_warps, small.num_stages)
+        return small
     elem = torch.finfo(dtype).bits // 8
     cap = 64 if max(block_dk, block_dv) <= 128 and elem == 2 else 32
     block_n = key_tile_rows(sel_block, cap)
