@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from reference.config import NSAConfig
-from reference.contract import BRANCHES, KV, BranchKV, PhiWeights
+from reference.contract import BRANCHES, KV, BranchKV, NSAOutput, PhiWeights
 
 
 @dataclass
@@ -183,6 +183,17 @@ def named_tensors(x: Inputs) -> dict[str, Tensor]:
             for part, t in zip(("pos", "w1", "b1", "w2", "b2"), getattr(x.phi, side).tensors()):
                 out[f"phi.{side}.{part}"] = t
     return out
+
+
+def output_and_grads(impl, x: Inputs, cfg: NSAConfig, weights: Tensor) -> tuple[NSAOutput, dict[str, Tensor]]:
+    """impl.nsa_forward on x (on x's device, in its dtype) and {name: d(sum(o * weights)) / d(name)} for every input
+    tensor of x (named_tensors; zeros for an input o does not depend on)."""
+    xg = x.to(requires_grad=True)
+    out = impl.nsa_forward(xg.q, xg.kv, xg.gates, cfg, xg.phi)
+    loss = (out.o * weights.to(device=out.o.device, dtype=out.o.dtype)).sum()
+    named = named_tensors(xg)
+    got = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
+    return out, {n: (torch.zeros_like(t) if g is None else g) for (n, t), g in zip(named.items(), got)}
 
 
 def perturb_from(x: Inputs, start: int, *, seed: int, scale: float = 3.0, caps=None) -> Inputs:

@@ -34,12 +34,12 @@ import torch
 from conformance.adapters import load_impl
 from conformance.cards import CARDS
 from conformance.conventions import checked_conventions
-from conformance.helpers import inputs_for, max_abs_error, named_tensors
+from conformance.helpers import inputs_for, max_abs_error, output_and_grads
 from conformance.precision import ATOL
 from conformance.strategies import CPU_SIZES, CUDA_SIZES, Envelope, use_sizes
+from reference.contract import BRANCHES
 
 CHECKS = ("gradients", "large_logits")
-BRANCHES = ("cmp", "slc", "win")
 
 
 def card_envelope(card_name: str):
@@ -65,16 +65,6 @@ def draw_config(envelope: Envelope, T: int, n_kv: int):
     return cfg.replace(n_sel=every[0]) if every else None
 
 
-def output_and_grads(impl, x, cfg, weights, device):
-    """impl's NSAOutput on x (moved to device) and d(sum(o * weights)) / d(every input), float64 on CPU."""
-    y = x.to(device=device).to(requires_grad=True)
-    named = named_tensors(y)
-    out = impl.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi)
-    grads = torch.autograd.grad((out.o * weights.to(out.o)).sum(), list(named.values()), allow_unused=True)
-    return out, {n: (torch.zeros_like(t) if g is None else g).detach().double().cpu()
-                 for (n, t), g in zip(named.items(), grads)}
-
-
 def gradient_fields(impl, control, cfg, T, seed, device, branch):
     """{field: (impl error, control error, reference float32 error, floor)} of one draw of the gradient check."""
     reference = load_impl("reference")
@@ -86,15 +76,18 @@ def gradient_fields(impl, control, cfg, T, seed, device, branch):
     weights = torch.randn((1, T, cfg.n_heads, cfg.head_dim_v), generator=torch.Generator().manual_seed(seed),
                           dtype=torch.float64).float().double()
     low = x.to(dtype=torch.float32)
-    o64, g64 = output_and_grads(reference, low.to(dtype=torch.float64), cfg, weights, "cpu")
-    o32, g32 = output_and_grads(reference, low, cfg, weights, "cpu")
-    runs = [output_and_grads(f, low, cfg, weights, device) for f in (impl, control)]
+    o64, g64 = output_and_grads(reference, low.to(dtype=torch.float64), cfg, weights)
+    o32, g32 = output_and_grads(reference, low, cfg, weights)
+    runs = [output_and_grads(f, low.to(device=device), cfg, weights) for f in (impl, control)]
     taken = torch.tensor([float(b in impl.caps.branches) for b in BRANCHES], dtype=torch.float64)
+
+    def error(g: dict, name: str) -> float:  # gates of branches the implementation lacks are not compared
+        mask = taken if name == "gates" else torch.ones(())
+        return max_abs_error(g[name] * mask.to(g[name]), g64[name] * mask.to(g64[name]))
+
     out = {"o": tuple(max_abs_error(r[0].o, o64.o) for r in runs) + (max_abs_error(o32.o, o64.o), 0.0)}
     for name in g64:
-        mask = taken if name == "gates" else 1.0  # gates of branches the implementation lacks are not compared
-        out[f"d{name}"] = tuple(max_abs_error(r[1][name] * mask, g64[name] * mask) for r in runs) + (
-            max_abs_error(g32[name] * mask, g64[name] * mask), 0.0)
+        out[f"d{name}"] = tuple(error(r[1], name) for r in runs) + (error(g32, name), 0.0)
     return out
 
 

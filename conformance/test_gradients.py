@@ -19,7 +19,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from conformance.adapters import load_impl
-from conformance.helpers import error_ratio, inputs_for, make_inputs, named_tensors
+from conformance.helpers import error_ratio, inputs_for, make_inputs, named_tensors, output_and_grads
 from conformance.precision import close
 from conformance.strategies import configs, lengths, show_reproducer
 from reference.contract import KV, BranchKV, PhiMLPWeights, PhiWeights
@@ -133,16 +133,6 @@ def test_gradcheck_branch_stage(impl, envelope, device, precision, record_metric
                     precision, record_metric)
 
 
-def output_and_grads(fn, x, weights: torch.Tensor):
-    """fn(inputs) -> NSAOutput; returns (out, {name: d(sum(o * weights))/d(name)}) for every input tensor."""
-    xg = x.to(requires_grad=True)
-    out = fn(xg)
-    loss = (out.o * weights.to(device=out.o.device, dtype=out.o.dtype)).sum()
-    named = named_tensors(xg)
-    got = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
-    return out, {n: (torch.zeros_like(t) if g is None else g) for (n, t), g in zip(named.items(), got)}
-
-
 @given(data=st.data())
 def test_low_precision_gradients_follow_the_error_ratio_rule(impl, envelope, device, low_dtype, record_metric, data):
     impl.require("nsa_forward")
@@ -159,11 +149,9 @@ def test_low_precision_gradients_follow_the_error_ratio_rule(impl, envelope, dev
     low = x.to(dtype=low_dtype)
 
     def three_runs(c):
-        oracle = output_and_grads(lambda y: reference.nsa_forward(y.q, y.kv, y.gates, c, y.phi),
-                                  low.to(dtype=torch.float64), weights)  # float64 on the same rounded inputs
-        ref_low = output_and_grads(lambda y: reference.nsa_forward(y.q, y.kv, y.gates, c, y.phi), low, weights)
-        cand = output_and_grads(lambda y: impl.nsa_forward(y.q, y.kv, y.gates, c, y.phi), low.to(device=device),
-                                weights)
+        oracle = output_and_grads(reference, low.to(dtype=torch.float64), c, weights)  # float64, same rounded inputs
+        ref_low = output_and_grads(reference, low, c, weights)
+        cand = output_and_grads(impl, low.to(device=device), c, weights)
         return oracle, ref_low, cand
 
     (oracle, g_oracle), (ref_low, g_ref_low), (cand, g_cand) = three_runs(cfg)
