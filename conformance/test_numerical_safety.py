@@ -18,6 +18,7 @@ from conformance.helpers import Inputs, conform_gates, inputs_for, make_inputs, 
 from conformance.precision import close, logit_rounding_floor
 from conformance.rules import visible_cmp_blocks
 from conformance.strategies import configs, lengths, show_reproducer
+from reference.contract import BRANCHES
 
 PROPERTY = "Numerical safety"
 EQUATION = "Eq. 2 (empty sets, large logits, long T)"
@@ -105,12 +106,10 @@ def large_logit_floor(x: Inputs, field: str, dtype: torch.dtype) -> float:
     of keys, no longer than the longest), for o the branches' floors weighted by their largest gate."""
     if dtype == torch.float64:
         return 0.0
-    floors = {}
-    for i, branch in enumerate(("cmp", "slc", "win")):
-        k, v = x.kv.branch(branch)
-        floors[branch] = logit_rounding_floor(x.q, k, v, dtype) * (float(x.gates[..., i].abs().max())
-                                                                   if field == "o" else 1.0)
-    return sum(floors.values()) if field == "o" else floors[field[2:]]
+    if field != "o":
+        return logit_rounding_floor(x.q, *x.kv.branch(field[2:]), dtype)
+    return sum(logit_rounding_floor(x.q, *x.kv.branch(b), dtype) * float(x.gates[..., i].abs().max())
+               for i, b in enumerate(BRANCHES))
 
 
 @given(data=st.data())
