@@ -31,24 +31,26 @@ BASELINE = ROOT / "reports" / "baselines" / "conformance.json"
 class Card:
     impl: str
     device: str
-    conventions: tuple[str, ...]  # --preset / --set options: the library's own conventions
+    preset: str  # the library's own conventions: a preset and switches changed from it (--preset, --set)
+    sets: tuple[str, ...]
     needs: tuple[str, ...]  # the importable packages
     hypothesis_profile: str = "ci"  # ci-no-shrink: a failing test reports its first failing draw (every shrink
     #   step is a new shape, which a GPU library compiles and autotunes anew: minutes per failing test)
 
     def pytest_args(self) -> list[str]:
-        return ["conformance", "--properties-only", "--impl", self.impl, "--device", self.device, *self.conventions]
+        conventions = ["--preset", self.preset, *(arg for switch in self.sets for arg in ("--set", switch))]
+        return ["conformance", "--properties-only", "--impl", self.impl, "--device", self.device, *conventions]
 
 
 CARDS = {
-    "fla-naive": Card("conformance.adapters.fla_nsa:NAIVE", "cpu",
-                      ("--preset", "equal_blocks", "--set", "phi=avg", "--set", "group_reduce=mean"), ("fla",)),
+    "fla-naive": Card("conformance.adapters.fla_nsa:NAIVE", "cpu", "equal_blocks", ("phi=avg", "group_reduce=mean"),
+                      ("fla",)),
     "native-sparse-attention-pytorch": Card(
-        "conformance.adapters.lucidrains_nsa:IMPL", "cpu",
-        ("--preset", "equal_blocks", "--set", "phi=avg", "--set", "window_keys=w+1", "--set", "cmp_visibility=strict",
-         "--set", "selection_score=logits", "--set", "group_reduce=mean"), ("native_sparse_attention_pytorch",)),
-    "fla-parallel": Card("conformance.adapters.fla_nsa:PARALLEL", "cuda",
-                         ("--preset", "equal_blocks", "--set", "phi=avg"), ("fla",), hypothesis_profile="ci-no-shrink"),
+        "conformance.adapters.lucidrains_nsa:IMPL", "cpu", "equal_blocks",
+        ("phi=avg", "window_keys=w+1", "cmp_visibility=strict", "selection_score=logits", "group_reduce=mean"),
+        ("native_sparse_attention_pytorch",)),
+    "fla-parallel": Card("conformance.adapters.fla_nsa:PARALLEL", "cuda", "equal_blocks", ("phi=avg",), ("fla",),
+                         hypothesis_profile="ci-no-shrink"),
 }
 
 

@@ -45,14 +45,11 @@ CHECKS = ("gradients", "large_logits")
 def card_envelope(card_name: str):
     """(implementation, envelope, device) of a card: its adapter inside its own conventions."""
     card = CARDS[card_name]
-    opts = list(card.conventions)
-    preset = opts[opts.index("--preset") + 1] if "--preset" in opts else None
-    sets = [opts[i + 1] for i, o in enumerate(opts) if o == "--set"]
     impl = load_impl(card.impl)
     device = torch.device(card.device)
     sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
     use_sizes(sizes)
-    return impl, Envelope(checked_conventions(preset, None, sets).config, impl.caps, sizes), device
+    return impl, Envelope(checked_conventions(card.preset, None, list(card.sets)).config, impl.caps, sizes), device
 
 
 def draw_config(envelope: Envelope, T: int, n_kv: int):

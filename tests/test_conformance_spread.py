@@ -31,8 +31,8 @@ IMPRECISE = SimpleNamespace(NAME="imprecise", CAPABILITIES=Capabilities(precisio
 
 @pytest.fixture
 def imprecise_card(monkeypatch):
-    monkeypatch.setitem(CARDS, "imprecise", Card("test_conformance_spread:IMPRECISE", "cpu",
-                                                 ("--preset", "equal_blocks", "--set", "phi=avg"), ()))
+    monkeypatch.setitem(CARDS, "imprecise", Card("test_conformance_spread:IMPRECISE", "cpu", "equal_blocks",
+                                                 ("phi=avg",), ()))
     return "imprecise"
 
 
