@@ -10,18 +10,15 @@ import pytest
 import torch
 
 from conformance.precision import ATOL, Precision, close, logit_rounding_floor
+from reference.primitives import attend
 
 U32 = torch.finfo(torch.float32).eps / 2
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, exp2: bool = False) -> torch.Tensor:
-    """softmax(k q / sqrt(d)) v for one query, max-subtracted, in the inputs' dtype (exp or the exp2 form)."""
-    s = (k @ q) / math.sqrt(q.shape[-1])
-    if exp2:
-        s = s * (1 / math.log(2))
-        e = torch.exp2(s - s.max())
-    else:
-        e = torch.exp(s - s.max())
+def attend_exp2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """reference.primitives.attend in the exp2 form kernels use: 2^(s log2(e) - max), in the inputs' dtype."""
+    s = (k @ q) / math.sqrt(q.shape[-1]) * (1 / math.log(2))
+    e = torch.exp2(s - s.max())
     return (e / e.sum()) @ v
 
 
@@ -62,17 +59,17 @@ def test_floor_bounds_one_rounding_of_each_logit(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_float32_computations_stay_inside_the_budget_a_leaked_key_does_not(seed):
-    """Two float32 orderings of the same attention (exp and exp2) against the float64 value: each within
-    2 x the other's error + ATOL + floor; the same computation reading one more key (a masked key leaking, with a
-    logit as large as the others') is far outside it."""
+    """Two float32 orderings of the same attention (the reference's Eq. 2 and its exp2 form) against the float64
+    value: each within 2 x the other's error + ATOL + floor; the same computation reading one more key (a masked
+    key leaking, with a logit as large as the others') is far outside it."""
     q, k, v = large_logit_case(seed, v_scale=1.0)
     visible = k.shape[0] - 1
-    oracle = attention(q, k[:visible], v[:visible])
+    oracle = attend(q, k[:visible], v[:visible])
     floor = logit_rounding_floor(q[None], k[:visible], v[:visible])
     q32, k32, v32 = (t.float() for t in (q, k, v))
-    exp_form = attention(q32, k32[:visible], v32[:visible])
-    exp2_form = attention(q32, k32[:visible], v32[:visible], exp2=True)
-    leaked = attention(q32, k32, v32)
+    exp_form = attend(q32, k32[:visible], v32[:visible])
+    exp2_form = attend_exp2(q32, k32[:visible], v32[:visible])
+    leaked = attend(q32, k32, v32)
     metrics = []
     record = lambda name, value, kind: metrics.append(value)  # noqa: E731
     f32 = Precision(torch.float32, "declared")
