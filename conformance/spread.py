@@ -122,13 +122,14 @@ def summary(rows: list[dict], card: str, check: str, branch: str | None, control
             device: str, command: str) -> str:
     fields = list(dict.fromkeys(r["field"] for r in rows))
     draws = len({r["draw"] for r in rows})
-    floors = any(float(r["floor"]) for r in rows)
+    floors = any(r["floor"] for r in rows)
     lines = [f"# Error spread: {card}, {check}" + (f", gates on the {branch} branch only" if branch else ""),
-             "", f"`{command}`", "", f"{draws} draws in {seconds:.0f} s on {device}; control `{control}` on the same float32 inputs. Ratio = error "
-             f"against the float64 reference / (2 x the reference's float32 error + {ATOL:g}"
+             "", f"`{command}`", "",
+             f"{draws} draws in {seconds:.0f} s on {device}; control `{control}` on the same float32 inputs. Ratio = "
+             f"error against the float64 reference / (2 x the reference's float32 error + {ATOL:g}"
              + (" + logit-rounding floor" if floors else "") + "); a ratio above 1 fails the suite's check.", "",
-             "| field | implementation: median / p90 / max ratio | over 1 | control: median / p90 / max ratio | over 1 |"
-             + (" implementation / control over 1 without the floor |" if floors else ""),
+             "| field | implementation: median / p90 / max ratio | over 1 | control: median / p90 / max ratio "
+             "| over 1 |" + (" implementation / control over 1 without the floor |" if floors else ""),
              "|---|---|---|---|---|" + ("---|" if floors else "")]
 
     def stats(values):
