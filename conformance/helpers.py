@@ -185,11 +185,12 @@ def named_tensors(x: Inputs) -> dict[str, Tensor]:
     return out
 
 
-def output_and_grads(impl, x: Inputs, cfg: NSAConfig, weights: Tensor) -> tuple[NSAOutput, dict[str, Tensor]]:
-    """impl.nsa_forward on x (on x's device, in its dtype) and {name: d(sum(o * weights)) / d(name)} for every input
+def output_and_grads(fn: Callable[[Inputs], NSAOutput], x: Inputs,
+                     weights: Tensor) -> tuple[NSAOutput, dict[str, Tensor]]:
+    """fn(x) (an NSA forward on x's device, in its dtype) and {name: d(sum(o * weights)) / d(name)} for every input
     tensor of x (named_tensors; zeros for an input o does not depend on)."""
     xg = x.to(requires_grad=True)
-    out = impl.nsa_forward(xg.q, xg.kv, xg.gates, cfg, xg.phi)
+    out = fn(xg)
     loss = (out.o * weights.to(device=out.o.device, dtype=out.o.dtype)).sum()
     named = named_tensors(xg)
     got = torch.autograd.grad(loss, list(named.values()), allow_unused=True)

@@ -73,9 +73,13 @@ def gradient_fields(impl, control, cfg, T, seed, device, branch):
     weights = torch.randn((1, T, cfg.n_heads, cfg.head_dim_v), generator=torch.Generator().manual_seed(seed),
                           dtype=torch.float64).float().double()
     low = x.to(dtype=torch.float32)
-    o64, g64 = output_and_grads(reference, low.to(dtype=torch.float64), cfg, weights)
-    o32, g32 = output_and_grads(reference, low, cfg, weights)
-    runs = [output_and_grads(f, low.to(device=device), cfg, weights) for f in (impl, control)]
+
+    def forward(f):
+        return lambda y: f.nsa_forward(y.q, y.kv, y.gates, cfg, y.phi)
+
+    o64, g64 = output_and_grads(forward(reference), low.to(dtype=torch.float64), weights)
+    o32, g32 = output_and_grads(forward(reference), low, weights)
+    runs = [output_and_grads(forward(f), low.to(device=device), weights) for f in (impl, control)]
     taken = torch.tensor([float(b in impl.caps.branches) for b in BRANCHES], dtype=torch.float64)
 
     def error(g: dict, name: str) -> float:  # gates of branches the implementation lacks are not compared

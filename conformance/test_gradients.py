@@ -149,9 +149,11 @@ def test_low_precision_gradients_follow_the_error_ratio_rule(impl, envelope, dev
     low = x.to(dtype=low_dtype)
 
     def three_runs(c):
-        oracle = output_and_grads(reference, low.to(dtype=torch.float64), c, weights)  # float64, same rounded inputs
-        ref_low = output_and_grads(reference, low, c, weights)
-        cand = output_and_grads(impl, low.to(device=device), c, weights)
+        oracle = output_and_grads(lambda y: reference.nsa_forward(y.q, y.kv, y.gates, c, y.phi),
+                                  low.to(dtype=torch.float64), weights)  # float64 on the same rounded inputs
+        ref_low = output_and_grads(lambda y: reference.nsa_forward(y.q, y.kv, y.gates, c, y.phi), low, weights)
+        cand = output_and_grads(lambda y: impl.nsa_forward(y.q, y.kv, y.gates, c, y.phi), low.to(device=device),
+                                weights)
         return oracle, ref_low, cand
 
     (oracle, g_oracle), (ref_low, g_ref_low), (cand, g_cand) = three_runs(cfg)
