@@ -196,7 +196,7 @@ class NSADecodeCache:
         if self.uses_lean_step(q.shape[1]):
             if emit and lean.emits_in_kernel(self.dtype):  # Eq. 7, before the step's key enters the raw ring
                 lean.lean_emit(self, kv, n_new)
-            elif emit:  # fp32 caches: phi in float64 (compression.compute_dtype), in torch
+            elif emit:  # fp32 caches: phi in float64 (dispatch.compute_dtype), in torch
                 blocks = self._emit(self.cmp_raw.usable(), L, n_new, kv.cmp.k, kv.cmp.v, cfg, self.phi,
                                     trash=self.compressed.trash)
                 self.compressed.write(blocks.slots, blocks.k, blocks.v)
