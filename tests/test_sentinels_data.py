@@ -25,6 +25,21 @@ def test_batch_from_windows_is_a_shift():
     assert torch.equal(batch.inputs, windows[:, :-1]) and torch.equal(batch.labels, windows[:, 1:])
 
 
+def test_moving_a_batch_keeps_it_and_does_not_check_it_again(monkeypatch):
+    """The check ran when the batch was built; on a GPU a second check of the copy would wait for the device."""
+    batch = Batch.from_windows(torch.arange(20).view(2, 10), loss_mask=torch.ones(2, 9))
+
+    def fail(*args):
+        raise AssertionError("the moved batch was checked again")
+
+    monkeypatch.setattr("sentinels.data.batch.check_next_token_alignment", fail)
+    moved = batch.to("cpu")
+    assert moved is not batch and type(moved) is Batch
+    for name in ("inputs", "labels", "loss_mask"):
+        assert torch.equal(getattr(moved, name), getattr(batch, name))
+    assert moved.cu_seqlens is None
+
+
 @pytest.mark.parametrize("shift", [0, 2])
 def test_misaligned_labels_fail_loudly(shift):
     windows = torch.arange(24).view(2, 12)

@@ -7,6 +7,7 @@ the document's last position has the ignore label IGNORE_INDEX (no position pred
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,12 @@ class Batch:
         return self.inputs.numel()
 
     def to(self, device: torch.device | str) -> "Batch":
-        mask = None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True)
-        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=True)
-        return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), mask, cu)
+        """The same batch on device. Its alignment was checked when it was built and a copy keeps every value, so
+        the copy is not checked again: on a GPU the check waits for the device (a host sync per micro-step, which
+        drains the queue of the previous micro-step's backward before the next forward is launched)."""
+        moved = copy.copy(self)  # copy.copy does not run __post_init__
+        moved.inputs = self.inputs.to(device, non_blocking=True)
+        moved.labels = self.labels.to(device, non_blocking=True)
+        moved.loss_mask = None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True)
+        moved.cu_seqlens = None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=True)
+        return moved
