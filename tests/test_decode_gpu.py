@@ -152,19 +152,20 @@ def row_tokens(x, starts: list[int], counts: list[int]):
     return take(x.q), BranchKV(*(KV(take(b.k), take(b.v)) for b in (x.kv.cmp, x.kv.slc, x.kv.win))), take(x.gates)
 
 
-def test_lean_graph_paper_layout_equals_prefill_and_seam_path():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lean_graph_paper_layout_equals_prefill_and_seam_path(dtype):
     """Two rows of 2552 and 1852 tokens (more selection blocks than n = 16), 48 steps replayed by a DecodeGraph
-    (the lean step; one step in d emits a compressed token), row 1 with a padding query every fifth step. Each real
-    step: bf16 decode vs float64 prefill <= 2 x bf16 prefill vs float64 prefill (all with the decode's blocks, the
-    prompt's from the free-running bf16 prefill); the decode selects the free-running bf16 prefill's blocks for
-    >= 99% of (query, group) rows; an eager cache on the seam-by-seam kernel path (lean_step=False) gives the same
+    (the lean step; one step in d emits a compressed token), row 1 with a padding query every fifth step, in bf16
+    and fp16 (each dtype's own emission kernel). Each real step: decode vs float64 prefill <= 2 x prefill in the
+    same dtype vs float64 prefill (all with the decode's blocks, the prompt's from the free-running prefill); the
+    decode selects the free-running prefill's blocks for >= 99% of (query, group) rows; an eager cache on the seam-by-seam kernel path (lean_step=False) gives the same
     compressed and window reads, the same selected reads where the
     selections agree, and >= 99% of the selections."""
     T, steps = 2600, 48
     x16 = make_inputs(PAPER, T, B=2, seed=11, dtype=torch.float64, device="cuda", phi_hidden=128).to(
-        dtype=torch.bfloat16)
+        dtype=dtype)
     prompt = [T - steps, T - steps - 700]
-    lean, seams = (NSADecodeCache(PAPER, 2, T, dtype=torch.bfloat16, device="cuda", phi=x16.phi, lean_step=lean_step)
+    lean, seams = (NSADecodeCache(PAPER, 2, T, dtype=dtype, device="cuda", phi=x16.phi, lean_step=lean_step)
                    for lean_step in (True, False))
     prompt_kv = BranchKV(*(KV(b.k[:, :prompt[0]], b.v[:, :prompt[0]]) for b in (x16.kv.cmp, x16.kv.slc, x16.kv.win)))
     for cache in (lean, seams):
