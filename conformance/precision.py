@@ -53,6 +53,12 @@ def max_abs(a: Tensor, b: Tensor) -> float:
     return float((a64 - b64).abs().max()) if a64.numel() else 0.0
 
 
+def error_budget(reference_error: float, floor: float = 0.0) -> float:
+    """The error-ratio rule's budget for an implementation computing in float32: 2 x the reference's own float32
+    error + ATOL, plus a floor the check derives from its inputs (default 0; e.g. `logit_rounding_floor`)."""
+    return 2 * reference_error + ATOL + floor
+
+
 def close(what: str, got: Tensor, want: Tensor, *, precision: Precision, record_metric, metric: str,
           rtol: float, low: Callable[[], Tensor] | None = None, oracle: Tensor | None = None,
           floor: float = 0.0) -> float:
@@ -73,7 +79,7 @@ def close(what: str, got: Tensor, want: Tensor, *, precision: Precision, record_
         record_metric(metric, value, kind="tolerance")
         assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (float64 tolerance {rtol:g} relative)"
         return value
-    budget = 2 * max_abs(low(), want if oracle is None else oracle) + ATOL + floor
+    budget = error_budget(max_abs(low(), want if oracle is None else oracle), floor)
     value = err / budget
     record_metric(metric, value, kind="ratio")
     with_floor = f" + rounding floor {floor:.3g}" if floor else ""
@@ -142,6 +148,6 @@ def _probe(impl, envelope, device) -> Precision:
         return FLOAT64
     low = xc.to(dtype=torch.float32)
     err32 = max_abs(reference.nsa_forward(low.q, low.kv, low.gates, cfg, low.phi).o, want)
-    if err <= 2 * err32 + ATOL:
+    if err <= error_budget(err32):
         return Precision(torch.float32, f"detected: float64 error {err:.2g} is float32-sized")
     return FLOAT64

@@ -35,7 +35,7 @@ from conformance.adapters import load_impl
 from conformance.cards import CARDS
 from conformance.conventions import checked_conventions
 from conformance.helpers import inputs_for, max_abs_error, output_and_grads
-from conformance.precision import ATOL
+from conformance.precision import ATOL, error_budget
 from conformance.strategies import CPU_SIZES, CUDA_SIZES, Envelope, use_sizes
 from reference.contract import BRANCHES
 
@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             fields = large_logit_fields(impl, control, cfg, T, seed, device, sign)
         for f, (e_impl, e_ctrl, e_ref, floor) in fields.items():
-            budget = 2 * e_ref + ATOL
+            budget, with_floor = error_budget(e_ref), error_budget(e_ref, floor)
             rows.append(dict(draw=draw, T=T, n_kv_heads=n_kv, seed=seed, sign=sign if args.check == "large_logits"
                              else "", field=f, impl_error=e_impl, control_error=e_ctrl, reference_error=e_ref,
-                             floor=floor, impl_ratio=e_impl / (budget + floor), control_ratio=e_ctrl / (budget + floor),
+                             floor=floor, impl_ratio=e_impl / with_floor, control_ratio=e_ctrl / with_floor,
                              impl_ratio_no_floor=e_impl / budget, control_ratio_no_floor=e_ctrl / budget))
     if not rows:
         print(f"conformance.spread: no draw fits card {args.card}'s envelope", file=sys.stderr)
