@@ -87,6 +87,13 @@ def key_tile_rows(sel_block: int, cap: int) -> int:
     return rows
 
 
+def measured_small_tiles(group_tile: int, width: int, dtype: torch.dtype) -> bool:
+    """The shapes the selected-attention kernels' small-tile launch settings were measured on (few_warps,
+    dkdv_tiling): half precision, the group's heads in one 16-row tile (group_tile: the heads padded to a power of
+    two), head dims up to 128."""
+    return torch.finfo(dtype).bits == 16 and group_tile <= MIN_DOT and width <= 128
+
+
 def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling | None:
     """The query-centric selected-attention launches (forward, dq) for a [16, d <= 128] half-precision query tile
     (group sizes up to 16): one program per (query, group) is a chain of dependent gathers, and at 16k tokens on an
@@ -95,7 +102,7 @@ def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype:
     64-key tiles, 2 warps, 2 stages (perf/NOTES.md); key tiles no longer than key_tile_rows allows for l'. None:
     the general heuristics."""
     width = max(block_dk, block_dv)
-    if torch.finfo(dtype).bits != 16 or block_h != MIN_DOT or width > 128:
+    if not measured_small_tiles(block_h, width, dtype):
         return None
     if width <= 64:
         return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=3)
@@ -166,7 +173,7 @@ def dkdv_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype:
     elem = torch.finfo(dtype).bits // 8
     width = max(block_dk, block_dv)
     heads = heads_per_query(group)
-    if elem == 2 and heads <= MIN_DOT and width <= 128:
+    if measured_small_tiles(heads, width, dtype):
         return DkdvTiling(block_n=key_tile_rows(sel_block, 64), block_cols=max(128 if width <= 64 else 32, heads),
                           num_warps=4, num_stages=2)
     if elem == 2:
