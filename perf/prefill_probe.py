@@ -1,8 +1,9 @@
 """The prefill range-kernel path's select stage and range-attention forward at one T, under other launch shapes
 (a GPU diagnostic, like perf.decode_cmp_probe for the decode step).
 
-What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, median), paper layout (64 q heads in
-4 KV groups, d_k = d_v = 128, l = 32, d = 16, l' = 64, n = 16, w = 512), bf16, batch 1:
+What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, median), bf16, in one of LAYOUTS
+(--layout: the paper's 64 q heads in 4 KV groups, d_k = d_v = 128, or prod-125m's 12 in 2, d = 64; both l = 32,
+d = 16, l' = 64, n = 16, w = 512), --batch sequences of --seq-len tokens:
 - `scores`: the group-scores kernel of optimized/kernels/selection.py (Eq. 8 + 10) over the last --score-rows query rows (the widest ranges)
   per tiling, with its TFLOP/s on the useful q.k_cmp dots (every head, every visible compressed token);
 - `selection`: the whole `selection_indices(range_backend="triton")` as nsa_forward calls it (the compressed
@@ -11,9 +12,10 @@ What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, me
 - `range`: range_attention_forward (o and lse2) over the compressed branch's ranges and over the window's, per
   tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|;
 - `backward`: range_attention_backward over both branches' ranges with FlashAttention-2's D0 = rowsum(dO * O)
-  (an earlier half-precision default) or the dq pass's consistent D, and other dk/dv tilings.
+  (an earlier half-precision default) or the dq pass's consistent D, other dq tilings and other dk/dv tilings.
 
-    python -m perf.prefill_probe [--seq-len 65536]      # on a GPU; prints a table, writes prefill_probe.json
+    python -m perf.prefill_probe [--seq-len 65536] [--layout prod-125m --batch 8]   # on a GPU; writes
+                                                                                     # prefill_probe.json
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from reference.config import NSAConfig
 from .outputs import PERF_OUT, write_probe_report
 from .flops import ATTENTION_BWD_FACTOR
 
-CFG = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
+LAYOUTS = {"paper": NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128),
+           "prod-125m": NSAConfig.preset("paper", n_heads=12, n_kv_heads=2, head_dim_qk=64, head_dim_v=64)}
+CFG = LAYOUTS["paper"]  # the layout the probes use (main sets --layout's)
 SCORE_TILINGS = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2))
 RANGE_TILINGS = ((64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3),
-                 (128, 128, 8, 2))
+                 (128, 128, 8, 2), (64, 128, 4, 2))
 BUDGETS_MIB = (24, 64, 128, 256)
 
 
@@ -52,9 +56,9 @@ def _bench(fn, rep_ms: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
-def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Random q and per-branch k/v of one sequence, the compressed and window ranges, and the compressed branch's
-    lse2 (what nsa_forward hands the selection)."""
+def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
+    """Random q and per-branch k/v of `batch` sequences, the compressed and window ranges, and the compressed
+    branch's lse2 (what nsa_forward hands the selection)."""
     cfg = CFG
     g = torch.Generator(device=device).manual_seed(T)
     n_cmp = masks.compressed_block_count(T, cfg)
@@ -62,9 +66,10 @@ def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -
     def randn(*shape):
         return torch.randn(shape, generator=g, device=device).to(dtype)
 
-    q = randn(1, T, cfg.n_heads, cfg.head_dim_qk)
-    k_cmp, v_cmp = randn(1, n_cmp, cfg.n_kv_heads, cfg.head_dim_qk), randn(1, n_cmp, cfg.n_kv_heads, cfg.head_dim_v)
-    k_win, v_win = randn(1, T, cfg.n_kv_heads, cfg.head_dim_qk), randn(1, T, cfg.n_kv_heads, cfg.head_dim_v)
+    q = randn(batch, T, cfg.n_heads, cfg.head_dim_qk)
+    k_cmp = randn(batch, n_cmp, cfg.n_kv_heads, cfg.head_dim_qk)
+    v_cmp = randn(batch, n_cmp, cfg.n_kv_heads, cfg.head_dim_v)
+    k_win, v_win = randn(batch, T, cfg.n_kv_heads, cfg.head_dim_qk), randn(batch, T, cfg.n_kv_heads, cfg.head_dim_v)
     positions = torch.arange(T, device=device)
     cmp_lo, cmp_hi = check_range_inputs(q, k_cmp, v_cmp, *compressed_ranges(positions, n_cmp, cfg))
     win_lo, win_hi = check_range_inputs(q, k_win, v_win, *window_ranges(positions, cfg))
@@ -73,10 +78,11 @@ def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -
             "cmp": (cmp_lo, cmp_hi), "win": (win_lo, win_hi), "cmp_lse2": cmp_lse2}
 
 
-def _useful_flops(lo: torch.Tensor, hi: torch.Tensor, dims: int) -> float:
-    """2 x (visible keys of every row) x heads x dims (dims = d_k for q.k, d_k + d_v with the P.V product)."""
+def _useful_flops(lo: torch.Tensor, hi: torch.Tensor, dims: int, sequences: int = 1) -> float:
+    """2 x (visible keys of every row) x heads x dims x sequences (dims = d_k for q.k, d_k + d_v with the P.V
+    product)."""
     keys = torch.clamp(hi.long() - lo.long() + 1, min=0).sum().item()
-    return 2.0 * keys * CFG.n_heads * dims
+    return 2.0 * keys * CFG.n_heads * dims * sequences
 
 
 def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
@@ -87,7 +93,7 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
     lse2 = x["cmp_lse2"][:, r0:].contiguous()
     qr = q[:, r0:]
     width = int((hi - lo + 1).max())
-    flops = _useful_flops(lo, hi, CFG.head_dim_qk)
+    flops = _useful_flops(lo, hi, CFG.head_dim_qk, q.shape[0])
     default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_qk), q.dtype, "scores")
     reference = group_scores(qr, k_cmp, lo, hi, lse2, width, scale)
     out = []
@@ -139,7 +145,7 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
     for branch in ("cmp", "win"):
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
         lo, hi = x[branch]
-        flops = _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v)
+        flops = _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v, q.shape[0])
         default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_v), q.dtype, "forward")
         reference = range_attention_forward(q, k, v, lo, hi, scale, tiling=default)[0]
         for shape in RANGE_TILINGS:
@@ -153,34 +159,44 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
     return out
 
 
-# (consistent D, dq warps, dk/dv tiling (query rows per step, key rows per program, warps, stages)); dq tiles 64 x 32
-BACKWARD_VARIANTS = ((False, 4, (64, 32, 8, 2)), (True, 4, (64, 32, 8, 2)), (True, 4, (32, 64, 8, 2)),
-                     (True, 4, (32, 64, 8, 3)), (True, 4, (32, 128, 8, 2)), (True, 4, (16, 64, 4, 2)))
+# (consistent D, dq tiling, dk/dv tiling), tilings as (query rows, key rows, warps, stages): the dq tiling's rows
+# are per program, the dk/dv tiling's query rows are per step of a program that holds the key rows
+BACKWARD_VARIANTS = ((False, (64, 32, 4, 2), (64, 32, 8, 2)), (True, (64, 32, 4, 2), (64, 32, 8, 2)),
+                     (True, (64, 32, 4, 2), (32, 64, 8, 2)), (True, (64, 32, 4, 2), (32, 64, 8, 3)),
+                     (True, (64, 32, 4, 2), (32, 128, 8, 2)), (True, (64, 32, 4, 2), (16, 64, 4, 2)),
+                     (True, (64, 32, 4, 2), (64, 64, 4, 2)), (True, (64, 32, 4, 2), (64, 64, 8, 2)),
+                     (True, (64, 32, 4, 2), (64, 128, 8, 2)), (True, (64, 32, 4, 2), (32, 64, 4, 2)),
+                     (True, (64, 64, 4, 2), (64, 32, 8, 2)), (True, (128, 64, 8, 2), (64, 32, 8, 2)),
+                     (True, (128, 32, 4, 2), (64, 32, 8, 2)))
 
 
 def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
     q = x["q"]
     g = torch.Generator(device=q.device).manual_seed(1)
     do = torch.randn(q.shape[:3] + (CFG.head_dim_v,), generator=g, device=q.device).to(q.dtype)
+    dq_default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_v), q.dtype, "dq")
+    dkdv_default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_v), q.dtype, "dkdv")
     out = []
     for branch in ("cmp", "win"):
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
         lo, hi = x[branch]
         o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
-        flops = ATTENTION_BWD_FACTOR * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v)
+        flops = ATTENTION_BWD_FACTOR * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v, q.shape[0])
         reference = None
-        for consistent, warps, dkdv in BACKWARD_VARIANTS:
-            t = RangeTiling(block_m=64, block_n=32, num_warps=warps, num_stages=2)
+        for consistent, dq_shape, dkdv_shape in BACKWARD_VARIANTS:
+            dq_tiling, dkdv_tiling = _tiling(dq_shape), _tiling(dkdv_shape)
 
             def run():
-                return range_attention_backward(q, k, v, lo, hi, o, lse2, do, scale, dq_tiling=t,
-                                                dkdv_tiling=_tiling(dkdv), consistent_d=consistent)
+                return range_attention_backward(q, k, v, lo, hi, o, lse2, do, scale, dq_tiling=dq_tiling,
+                                                dkdv_tiling=dkdv_tiling, consistent_d=consistent)
 
             grads = run()
             reference = grads if reference is None else reference
             diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(grads, reference))
-            out.append({"probe": "backward", "branch": branch, "consistent_d": consistent, "dq_warps": warps,
-                        "dkdv_tiling": list(dkdv), "ms": (ms := _bench(run, rep_ms)), "tflops": flops / ms / 1e9,
+            out.append({"probe": "backward", "branch": branch, "consistent_d": consistent,
+                        "dq_tiling": list(dq_shape), "dkdv_tiling": list(dkdv_shape),
+                        "default": consistent and dq_tiling == dq_default and dkdv_tiling == dkdv_default,
+                        "ms": (ms := _bench(run, rep_ms)), "tflops": flops / ms / 1e9,
                         "max_abs_grad_diff_vs_first": diff})
     return out
 
@@ -188,14 +204,20 @@ def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=65536)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="paper", help="heads, groups and head dims")
+    parser.add_argument("--batch", type=int, default=1, help="sequences of --seq-len tokens")
     parser.add_argument("--score-rows", type=int, default=8192, help="the last rows the scores probe reads")
     parser.add_argument("--probes", default="scores,selection,range,backward")
     parser.add_argument("--rep-ms", type=int, default=300, help="do_bench's timing window per variant")
     parser.add_argument("--out", type=Path, default=PERF_OUT,
                         help="writes prefill_probe.json here (default reports/perf)")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    global CFG
+    CFG = LAYOUTS[args.layout]
     device = torch.device("cuda")
-    x = _inputs(args.seq_len, device)
+    x = _inputs(args.seq_len, device, batch=args.batch)
     scale = 1.0 / math.sqrt(CFG.head_dim_qk)
     probes = {"scores": lambda: probe_scores(x, args.score_rows, scale, args.rep_ms),
               "selection": lambda: probe_selection(x, args.rep_ms),
@@ -207,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     write_probe_report(args.out, "prefill_probe",
-                       f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; T = {args.seq_len}, "
+                       f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; layout {args.layout}, "
+                       f"batch {args.batch}, T = {args.seq_len}, "
                        f"scores over the last {args.score_rows} rows", results)
     return 0
 

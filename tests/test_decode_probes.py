@@ -48,8 +48,9 @@ def test_prefill_probe_variants_agree(monkeypatch):
     monkeypatch.setattr(prefill_probe, "BUDGETS_MIB", (24, 1 / 64, 1 / 256))
     monkeypatch.setattr(prefill_probe, "SCORE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
     monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1)))
-    monkeypatch.setattr(prefill_probe, "BACKWARD_VARIANTS", ((False, 4, (16, 16, 4, 1)), (True, 4, (16, 16, 4, 1)),
-                                                             (True, 4, (16, 32, 4, 1))))
+    monkeypatch.setattr(prefill_probe, "BACKWARD_VARIANTS", (
+        (False, (16, 16, 4, 1), (16, 16, 4, 1)), (True, (16, 16, 4, 1), (16, 16, 4, 1)),
+        (True, (16, 16, 4, 1), (16, 32, 4, 1)), (True, (32, 16, 4, 1), (16, 16, 4, 1))))
     x = prefill_probe._inputs(512, torch.device("cpu"), torch.float32)
     scale = 16 ** -0.5
     selection = prefill_probe.probe_selection(x, rep_ms=1)
@@ -63,3 +64,22 @@ def test_prefill_probe_variants_agree(monkeypatch):
     backward = prefill_probe.probe_backward(x, scale, rep_ms=1)
     assert len(backward) == 2 * len(prefill_probe.BACKWARD_VARIANTS)
     assert max(row["max_abs_grad_diff_vs_first"] for row in backward) < 1e-5
+
+
+def test_prefill_probe_layouts_and_batch(monkeypatch):
+    """--layout picks the heads and head dims the probes build their inputs with, and --batch's sequences enter the
+    inputs and the useful FLOP count (two sequences: twice one's)."""
+    from perf import prefill_probe
+
+    prod = prefill_probe.LAYOUTS["prod-125m"]
+    assert (prod.n_heads, prod.n_kv_heads, prod.head_dim_qk, prod.head_dim_v) == (12, 2, 64, 64)
+    monkeypatch.setattr(prefill_probe, "CFG", prod.replace(window=32))
+    monkeypatch.setattr(prefill_probe, "_bench", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1),))
+    one = prefill_probe._inputs(64, torch.device("cpu"), torch.float32)
+    two = prefill_probe._inputs(64, torch.device("cpu"), torch.float32, batch=2)
+    assert one["q"].shape == (1, 64, 12, 64) and two["q"].shape == (2, 64, 12, 64)
+    assert two["k_cmp"].shape[0] == two["v_win"].shape[0] == 2
+    flops = {x["q"].shape[0]: {row["branch"]: row["tflops"] for row in prefill_probe.probe_range(x, 0.125, 1)}
+             for x in (one, two)}
+    assert flops[2] == {branch: 2 * value for branch, value in flops[1].items()}
