@@ -8,7 +8,8 @@ as at a launch. Must run without TRITON_INTERPRET (the interpreter replaces trit
 Why: a version of the lean step's gate kernel that unrolled 24-32 [16 x 128] fp32 tiles measured 40-56 us at batch 1
 on an H100 (perf/NOTES.md); its sm_90 compile used 5-8 KB of stack per thread. The cases below
 are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
-l = 32, d = 16, l' = 64, n = 16) that matter for speed; `--require-no-spill` fails if any of them spills.
+l = 32, d = 16, l' = 64, n = 16) that matter for speed, and the prefill range kernels' launches (prefill_cases);
+`--require-no-spill` fails if any of them spills.
 
     python -m perf.kernel_survey [--require-no-spill]
 """
@@ -38,7 +39,6 @@ class Case:
     constexprs: dict
     num_warps: int
     num_stages: int = 1
-    allowed_stack: int = 0  # bytes of spill per thread measured acceptable on the GPU (0: none)
 
 
 def compile_sm90(case: Case):
@@ -110,9 +110,9 @@ def lean_cases() -> list[Case]:
 
 
 def prefill_cases() -> list[Case]:
-    """The range-kernel path's launches at the paper layout (16 heads per KV group, d_k = d_v = 128, bf16) with the
-    tiles optimized/kernels/common.py picks: the group-scores kernel, the range forward, dq (consistent D) and
-    dk/dv. dk/dv's 32 x 128 tiles spill 8 B and measured fastest (perf/NOTES.md), so 8 B are allowed."""
+    """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
+    (16 heads per KV group, d_k = d_v = 128) and prod-125m's (6 per group, d = 64): the group-scores kernel, the
+    range forward, dq (consistent D) and dk/dv."""
     from optimized.kernels.common import range_tiling
     from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
@@ -120,43 +120,49 @@ def prefill_cases() -> list[Case]:
 
     import torch
 
-    dims = dict(DK=128, BLOCK_DK=128, DOT_FP32=False, INPUT_PRECISION="ieee")
-    attn = dict(GROUP=16, DV=128, BLOCK_DV=128, **dims)
     ptr = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DQ", "DKEY", "DVAL")}
     ptr.update({name: "*i32" for name in ("LO", "HI", "QFIRST", "QLAST")})
     ptr.update({name: "*fp32" for name in ("LSE2", "P", "DELTA")})
-
-    def tiles(kind: str):
-        t = range_tiling(128, 128, torch.bfloat16, kind)
-        return t, dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n)
 
     def pointers(kernel) -> dict:
         return {k: v for k, v in ptr.items() if k in inspect.signature(kernel.fn).parameters}
 
     cases = []
-    t, shape = tiles("scores")
-    cases.append(Case(f"prefill group_scores {t.block_m}x{t.block_n}", _group_scores_kernel,
-                      pointers(_group_scores_kernel), dict(GROUP=16, GROUP_PAD=16, ROWS=t.block_m // 16, LOGITS=False,
-                                                           **shape, **dims), t.num_warps, t.num_stages))
-    t, shape = tiles("forward")
-    cases.append(Case(f"prefill range forward {t.block_m}x{t.block_n}", _range_attention_fwd_kernel,
-                      pointers(_range_attention_fwd_kernel), dict(WITH_OUTPUT=True, **shape, **attn), t.num_warps,
-                      t.num_stages))
-    t, shape = tiles("dq")
-    cases.append(Case(f"prefill range dq {t.block_m}x{t.block_n}", _range_attention_dq_kernel,
-                      pointers(_range_attention_dq_kernel), dict(CONSISTENT_D=True, **shape, **attn), t.num_warps,
-                      t.num_stages))
-    t, shape = tiles("dkdv")
-    cases.append(Case(f"prefill range dk/dv {t.block_m}x{t.block_n}", _range_attention_dkdv_kernel,
-                      pointers(_range_attention_dkdv_kernel), dict(COMPENSATED=False, **shape, **attn), t.num_warps,
-                      t.num_stages, allowed_stack=8))
+    for group, d in ((16, 128), (6, 64)):
+        dims = dict(DK=d, BLOCK_DK=d, DOT_FP32=False, INPUT_PRECISION="ieee")
+        attn = dict(GROUP=group, DV=d, BLOCK_DV=d, **dims)
+        layout = f"G={group} d={d}"
+
+        def tiles(kind: str):
+            t = range_tiling(d, d, torch.bfloat16, kind)
+            return t, dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n)
+
+        t, _ = tiles("scores")
+        group_pad = triton.next_power_of_2(group)
+        rows = max(1, t.block_m // group_pad)  # as selection.group_scores launches it
+        cases.append(Case(f"prefill {layout} group_scores {t.block_m}x{t.block_n}", _group_scores_kernel,
+                          pointers(_group_scores_kernel),
+                          dict(GROUP=group, GROUP_PAD=group_pad, ROWS=rows, BLOCK_M=rows * group_pad,
+                               BLOCK_N=t.block_n, LOGITS=False, **dims), t.num_warps, t.num_stages))
+        t, shape = tiles("forward")
+        cases.append(Case(f"prefill {layout} range forward {t.block_m}x{t.block_n}", _range_attention_fwd_kernel,
+                          pointers(_range_attention_fwd_kernel), dict(WITH_OUTPUT=True, **shape, **attn), t.num_warps,
+                          t.num_stages))
+        t, shape = tiles("dq")
+        cases.append(Case(f"prefill {layout} range dq {t.block_m}x{t.block_n}", _range_attention_dq_kernel,
+                          pointers(_range_attention_dq_kernel), dict(CONSISTENT_D=True, **shape, **attn),
+                          t.num_warps, t.num_stages))
+        t, shape = tiles("dkdv")
+        cases.append(Case(f"prefill {layout} range dk/dv {t.block_m}x{t.block_n}", _range_attention_dkdv_kernel,
+                          pointers(_range_attention_dkdv_kernel), dict(COMPENSATED=False, **shape, **attn),
+                          t.num_warps, t.num_stages))
     return cases
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--require-no-spill", action="store_true",
-                        help="exit 1 if any case uses more stack than its measured allowance (0 for all but dk/dv)")
+                        help="exit 1 if any case spills (uses stack)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("perf.kernel_survey: unset TRITON_INTERPRET (the interpreter replaces triton.jit functions)",
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         usage = resources(compile_sm90(case))
         print(f"{case.name:45s} {case.num_warps} warps  {usage['registers']:3d} registers  "
               f"{usage['stack_bytes']:5d} B stack", flush=True)
-        if usage["stack_bytes"] > case.allowed_stack:
+        if usage["stack_bytes"] > 0:
             spilled.append(case.name)
     if spilled and args.require_no_spill:
         print(f"spills: {spilled}", file=sys.stderr)

@@ -161,13 +161,15 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
 
 # (consistent D, dq tiling, dk/dv tiling), tilings as (query rows, key rows, warps, stages): the dq tiling's rows
 # are per program, the dk/dv tiling's query rows are per step of a program that holds the key rows
-BACKWARD_VARIANTS = ((False, (64, 32, 4, 2), (64, 32, 8, 2)), (True, (64, 32, 4, 2), (64, 32, 8, 2)),
-                     (True, (64, 32, 4, 2), (32, 64, 8, 2)), (True, (64, 32, 4, 2), (32, 64, 8, 3)),
-                     (True, (64, 32, 4, 2), (32, 128, 8, 2)), (True, (64, 32, 4, 2), (16, 64, 4, 2)),
-                     (True, (64, 32, 4, 2), (64, 64, 4, 2)), (True, (64, 32, 4, 2), (64, 64, 8, 2)),
-                     (True, (64, 32, 4, 2), (64, 128, 8, 2)), (True, (64, 32, 4, 2), (32, 64, 4, 2)),
-                     (True, (64, 64, 4, 2), (64, 32, 8, 2)), (True, (128, 64, 8, 2), (64, 32, 8, 2)),
-                     (True, (128, 32, 4, 2), (64, 32, 8, 2)))
+DQ_TILINGS = ((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2))
+DKDV_TILINGS = ((64, 32, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2), (16, 64, 4, 2), (64, 64, 4, 2),
+                (64, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 2, 2), (16, 64, 2, 2),
+                (16, 64, 4, 3), (32, 32, 4, 2), (16, 32, 2, 2), (32, 128, 4, 2), (16, 128, 4, 2), (64, 64, 4, 3))
+# FlashAttention-2's D0 at the first tilings, then the consistent D: every dk/dv tiling with the first dq tiling,
+# every other dq tiling with the first dk/dv tiling
+BACKWARD_VARIANTS = ((False, DQ_TILINGS[0], DKDV_TILINGS[0]),
+                     *((True, DQ_TILINGS[0], dkdv) for dkdv in DKDV_TILINGS),
+                     *((True, dq, DKDV_TILINGS[0]) for dq in DQ_TILINGS[1:]))
 
 
 def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:

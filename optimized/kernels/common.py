@@ -246,23 +246,23 @@ class RangeTiling:
 RANGE_KINDS = ("forward", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 
 
-# (largest BLOCK_DK + BLOCK_DV, (block_m, block_n, num_warps)) per kernel, half precision: the widest tiles that
-# compile for sm_90 without spilling, or with the least (cuobjdump -res-usage of triton.compile for
+# (largest BLOCK_DK + BLOCK_DV, (block_m, block_n, num_warps, num_stages)) per kernel, half precision: the widest
+# tiles that compile for sm_90 without spilling, or with the least (cuobjdump -res-usage of triton.compile for
 # GPUTarget("cuda", 90, 32); perf.kernel_survey checks them), and among those the fastest measured (perf/NOTES.md).
-# dk/dv: block_m = query rows per step, block_n = key rows per program; its 128 + 128 tiles (32 x 128, 8 warps,
-# wgmma) spill 8 B.
+# dk/dv: block_m = query rows per step, block_n = key rows per program; 4 warps with three stages measured fastest
+# at d = 64 and d = 128 (perf.prefill_probe's backward), neither spilling.
 _RANGE_TABLE = {
-    "forward": ((128, (128, 64, 8)), (256, (64, 32, 4)), (384, (128, 64, 8)), (512, (64, 32, 8))),
-    "dq": ((128, (64, 32, 4)), (256, (64, 32, 4)), (384, (32, 32, 8)), (512, (32, 32, 8))),
-    "dkdv": ((128, (64, 32, 8)), (256, (32, 128, 8)), (384, (64, 32, 8)), (512, (32, 16, 8))),
-    "scores": ((128, (64, 64, 4)), (256, (128, 128, 8)), (384, (64, 32, 8)), (512, (64, 32, 8))),
+    "forward": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
+    "dq": ((128, (64, 32, 4, 2)), (256, (64, 32, 4, 2)), (384, (32, 32, 8, 2)), (512, (32, 32, 8, 2))),
+    "dkdv": ((128, (32, 64, 4, 3)), (256, (16, 64, 4, 3)), (384, (64, 32, 8, 2)), (512, (32, 16, 8, 2))),
+    "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (64, 32, 8, 2))),
 }
 
 
 def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:
-    """Heuristic launch of one range-attention kernel (_RANGE_TABLE for half precision, two pipeline stages);
-    fp32 (exact fp32 dots on CUDA cores): 64 x 32 tiles, one stage; in Triton's interpreter: 16 x 16 (tests keep
-    T small, and several tiles must still be exercised)."""
+    """Heuristic launch of one range-attention kernel (_RANGE_TABLE for half precision); fp32 (exact fp32 dots on
+    CUDA cores): 64 x 32 tiles, one stage; in Triton's interpreter: 16 x 16 (tests keep T small, and several tiles
+    must still be exercised)."""
     if kind not in RANGE_KINDS:
         raise ValueError(f"range_tiling kind must be one of {RANGE_KINDS}, got {kind!r}")
     if interpreting():
@@ -272,8 +272,8 @@ def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) ->
         return RangeTiling(block_m=64, block_n=32 if width <= 128 else 16, num_warps=4 if width <= 64 else 8,
                            num_stages=1)
     total = block_dk + block_dv
-    block_m, block_n, warps = next(tile for limit, tile in _RANGE_TABLE[kind] if total <= limit)
-    return RangeTiling(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=2)
+    block_m, block_n, warps, stages = next(tile for limit, tile in _RANGE_TABLE[kind] if total <= limit)
+    return RangeTiling(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
 def smaller_range_tilings(tiling: RangeTiling) -> list[RangeTiling]:
