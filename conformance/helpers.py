@@ -15,6 +15,8 @@ from torch import Tensor
 from reference.config import NSAConfig
 from reference.contract import BRANCHES, KV, BranchKV, NSAOutput, PhiWeights
 
+from conformance.precision import logit_rounding_floor
+
 
 @dataclass
 class Inputs:
@@ -103,6 +105,39 @@ def conform_gates(gates: Tensor, caps) -> Tensor:
             if branch not in caps.branches:
                 gates[..., i] = 0
     return gates
+
+
+LARGE_LOGIT = 1e5  # |logits| of large_logit_inputs
+
+
+def large_logit_inputs(cfg, T: int, seed: int, sign: float, device, shared_kv: bool = False, caps=None) -> Inputs:
+    """q = a u_g + noise and every branch's k = sign * a u_g + noise per KV group g (u_g a unit vector), with
+    a^2 / sqrt(d_k) = 1e5: every logit is about sign * 1e5 (compressed keys too: they pool such keys). Gates as
+    `caps` can take them."""
+    x = make_inputs(cfg, T, seed=seed, device=device, shared_kv=shared_kv)
+    if caps is not None:
+        conform_gates(x.gates, caps)
+    g = torch.Generator().manual_seed(seed + 7)
+    u = torch.nn.functional.normalize(torch.randn(cfg.n_kv_heads, cfg.head_dim_qk, generator=g, dtype=torch.float64),
+                                      dim=-1).to(device)
+    a = math.sqrt(LARGE_LOGIT * math.sqrt(cfg.head_dim_qk))
+    with torch.no_grad():
+        x.q.copy_(a * u.repeat_interleave(cfg.group_size, 0) + 0.1 * x.q)
+        for k in {id(x.kv.branch(b).k): x.kv.branch(b).k for b in ("cmp", "slc", "win")}.values():
+            k.copy_(sign * a * u + 0.1 * k)
+    return x
+
+
+def large_logit_floor(x: Inputs, field: str, dtype: torch.dtype) -> float:
+    """The error that rounding logits near 1e5 to `dtype` causes in `field` (precision.logit_rounding_floor) for
+    an implementation judged in a lower precision: per branch from its keys and values (a compressed key is a mean
+    of keys, no longer than the longest), for o the branches' floors weighted by their largest gate."""
+    if dtype == torch.float64:
+        return 0.0
+    if field != "o":
+        return logit_rounding_floor(x.q, *x.kv.branch(field[2:]), dtype)
+    return sum(logit_rounding_floor(x.q, *x.kv.branch(b), dtype) * float(x.gates[..., i].abs().max())
+               for i, b in enumerate(BRANCHES))
 
 
 BLACK_BOX_HIDDEN = 16  # hidden size of the modules the black-box tests build

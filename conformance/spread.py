@@ -95,7 +95,7 @@ def gradient_fields(impl, control, cfg, T, seed, device, branch):
 def large_logit_fields(impl, control, cfg, T, seed, device, sign):
     """{field: (impl error, control error, reference float32 error, logit-rounding floor)} of one draw of the
     large-logit check (logits near sign * 1e5, every block selected)."""
-    from conformance.test_numerical_safety import large_logit_floor, large_logit_inputs
+    from conformance.helpers import large_logit_floor, large_logit_inputs
 
     reference = load_impl("reference")
     x = large_logit_inputs(cfg, T, seed, sign, "cpu", impl.shared_kv, impl.caps)
