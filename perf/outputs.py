@@ -12,6 +12,11 @@ DECODE_OUT = Path("reports/decode")  # decode bench, decode profile and the deco
 PERF_OUT = Path("reports/perf")  # perf run (paper sweep), the layer profile and the prefill probe
 
 
+def print_probe_row(row: dict) -> None:
+    """One result row of a kernel probe on stdout, floats to 4 decimals, as it is measured."""
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+
 def write_probe_report(out_dir: Path, name: str, timing: str, results: list[dict]) -> Path:
     """A kernel probe's results as out_dir/<name>.json, with the GPU and versions they came from."""
     import triton

@@ -36,7 +36,7 @@ from optimized.kernels.range_attention_bwd import range_attention_backward
 from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
 
-from .outputs import PERF_OUT, write_probe_report
+from .outputs import PERF_OUT, print_probe_row, write_probe_report
 from .flops import ATTENTION_BWD_FACTOR
 
 LAYOUTS = {"paper": NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128),
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.probes.split(","):
         for row in probes[name]():
             results.append(row)
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            print_probe_row(row)
     write_probe_report(args.out, "prefill_probe",
                        f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; layout {args.layout}, "
                        f"batch {args.batch}, T = {args.seq_len}, "

@@ -34,7 +34,7 @@ from optimized.kernels.common import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling
 from optimized.kernels.selected_attention import selected_attention_forward
 from optimized.kernels.selected_attention_bwd import selected_attention_backward_dkdv, selected_attention_backward_dq
 
-from .outputs import PERF_OUT, write_probe_report
+from .outputs import PERF_OUT, print_probe_row, write_probe_report
 from .prefill_probe import LAYOUTS
 
 SEL_BLOCK = 64
@@ -47,9 +47,9 @@ DKDV_TILINGS = ((64, 128, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2),
 
 
 @triton.jit
-def _gather_kernel(K, V, IDX, OUT,
+def _gather_kernel(K, V, IDX, SUMS,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_ib, stride_it, stride_ih, stride_in, stride_ob, stride_ot, stride_oh,
+                   stride_ib, stride_it, stride_ih, stride_in, stride_sb, stride_st, stride_sh,
                    n_sel, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    SEL_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_BLOCK: tl.constexpr):
     """The forward's loads without its arithmetic: program (query t, KV group g, batch b) walks the same
@@ -80,9 +80,9 @@ def _gather_kernel(K, V, IDX, OUT,
                     mask=key_mask[:, None] & dv_mask[None, :], other=0.0)
         sum_k += tl.sum(kT.to(tl.float32), 1)
         sum_v += tl.sum(v.to(tl.float32), 0)
-    out = OUT + b * stride_ob + t * stride_ot + g * stride_oh
-    tl.store(out + offs_dk, sum_k, mask=dk_mask)
-    tl.store(out + DK + offs_dv, sum_v, mask=dv_mask)
+    sums = SUMS + b * stride_sb + t * stride_st + g * stride_sh
+    tl.store(sums + offs_dk, sum_k, mask=dk_mask)
+    tl.store(sums + DK + offs_dv, sum_v, mask=dv_mask)
 
 
 def gather_only(k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, sel_block: int,
@@ -91,14 +91,14 @@ def gather_only(k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, sel_blo
     group), the sums of the key and value rows it loaded."""
     B, T, Hkv, n_sel = indices.shape
     dk, dv = k.shape[-1], v.shape[-1]
-    out = torch.empty((B, T, Hkv, dk + dv), device=k.device, dtype=torch.float32)
+    sums = torch.empty((B, T, Hkv, dk + dv), device=k.device, dtype=torch.float32)
     _gather_kernel[(T, Hkv, B)](
-        k, v, indices, out, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        *indices.stride(), out.stride(0), out.stride(1), out.stride(2), n_sel,
+        k, v, indices, sums, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        *indices.stride(), sums.stride(0), sums.stride(1), sums.stride(2), n_sel,
         DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), SEL_BLOCK=sel_block, BLOCK_N=tiling.block_n,
         TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), num_warps=tiling.num_warps,
         num_stages=tiling.num_stages)
-    return out
+    return sums
 
 
 def selections(batch: int, T: int, n_kv_heads: int, n_sel: int, sel_block: int, kind: str,
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.bfloat16)
     results = probe(x, args.rep_ms)
     for row in results:
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        print_probe_row(row)
     write_probe_report(args.out, "selected_probe",
                        f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; layout {args.layout}, "
                        f"batch {args.batch}, T = {args.seq_len}, n = {N_SEL}, l' = {SEL_BLOCK}, "
