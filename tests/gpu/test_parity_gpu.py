@@ -1,6 +1,8 @@
 """GPU parity of the optimized path with the compiled Triton kernels (skipped without CUDA).
 
 Run (H100):  python -m pytest tests/gpu/test_parity_gpu.py -q [--gpu-report-dir DIR]
+The float64 oracles run on the CPU, so the suite's wall time follows the host's CPU; in parts, each part writing
+its own report directory: `-k "small or presets"`, `-k "up_to_8k or invariance"`, `-k 65536`.
 Summary (JSON + markdown: GPU name, dtypes, shapes, oracles, worst error ratios, peak memory, times) goes to
 --gpu-report-dir (default reports/parity; tests/gpu/conftest.py).
 
