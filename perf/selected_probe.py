@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from optimized.kernels.common import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling, forward_tiling, heads_per_query,
-                                      key_tile_rows, padded)
+                                      key_tile_rows, padded, selected_block_keys)
 from optimized.kernels.selected_attention import selected_attention_forward
 from optimized.kernels.selected_attention_bwd import selected_attention_backward_dkdv, selected_attention_backward_dq
 
@@ -71,9 +71,7 @@ def _gather_kernel(K, V, IDX, SUMS,
         slot = it // TILES_PER_BLOCK
         tile = it % TILES_PER_BLOCK
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
-        in_block = tile * BLOCK_N + offs_n
-        pos = block * SEL_BLOCK + in_block
-        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= t)
+        pos, key_mask = selected_block_keys(block, tile, 0, t, offs_n, SEL_BLOCK, BLOCK_N)
         kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
                      mask=key_mask[None, :] & dk_mask[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vt + offs_dv[None, :],

@@ -308,6 +308,16 @@ def key_tile_span(LO, HI, rows, valid, n_keys, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def selected_block_keys(block, tile, row_start, p, offs_n, SEL_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Eq. 12: key tile `tile` (BLOCK_N keys) of selected block `block` of a row whose keys start at row_start:
+    the keys' positions and which of them the query at position p reads (a real block, >= 0; inside the block;
+    at most p)."""
+    in_block = tile * BLOCK_N + offs_n
+    pos = row_start + block * SEL_BLOCK + in_block
+    return pos, (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)
+
+
+@triton.jit
 def key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
     """q [M, BLOCK_DK] times the key tile `keys` of K (rows at k_base + key * stride_kt, keys not key_ok read as

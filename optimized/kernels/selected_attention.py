@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
 from ..numerics import LN2, LOG2E
-from .common import INDEX_DTYPES, Tiling, dot_settings, forward_tiling, interpreting, launch_with_fallback, padded
+from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_tiling, interpreting, launch_with_fallback, padded,
+                     selected_block_keys)
 from .selected_attention_bwd import selected_attention_backward
 
 
@@ -85,9 +86,7 @@ def _selected_attention_fwd_kernel(
         slot = it // TILES_PER_BLOCK
         tile = it % TILES_PER_BLOCK
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
-        in_block = tile * BLOCK_N + offs_n
-        pos = row_start + block * SEL_BLOCK + in_block
-        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12: tokens of block, clipped to <= p
+        pos, key_mask = selected_block_keys(block, tile, row_start, p, offs_n, SEL_BLOCK, BLOCK_N)
 
         kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
                      mask=key_mask[None, :] & dk_mask[:, None], other=0.0)

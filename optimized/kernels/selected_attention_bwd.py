@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..numerics import LOG2E
 from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot_settings, dq_tiling, heads_per_query,
-                     key_tile_rows, launch_with_fallback, padded, smaller_dkdv_tilings)
+                     key_tile_rows, launch_with_fallback, padded, selected_block_keys, smaller_dkdv_tilings)
 from .selected_attention_index import build_inverted_index
 
 L = TypeVar("L")
@@ -119,9 +119,7 @@ def _selected_attention_bwd_dq_kernel(
         slot = it // TILES_PER_BLOCK
         tile = it % TILES_PER_BLOCK
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
-        in_block = tile * BLOCK_N + offs_n
-        pos = row_start + block * SEL_BLOCK + in_block
-        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12 clip
+        pos, key_mask = selected_block_keys(block, tile, row_start, p, offs_n, SEL_BLOCK, BLOCK_N)
 
         kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
                      mask=key_mask[None, :] & dk_mask[:, None], other=0.0)

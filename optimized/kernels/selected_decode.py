@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..numerics import LOG2E
-from .common import interpreting, key_tile_rows, padded
+from .common import interpreting, key_tile_rows, padded, selected_block_keys
 from .decode_splits import Partials, combine, split_count
 from .decode_tiles import group_queries, qk_tile, softmax_update
 
@@ -76,9 +76,7 @@ def _selected_decode_kernel(
         slot = first_slot + it // TILES_PER_BLOCK
         tile = it % TILES_PER_BLOCK
         block = tl.load(idx_base + slot * stride_in, mask=slot < n_sel, other=-1).to(tl.int64)
-        in_block = tile * BLOCK_N + offs_n
-        pos = block * SEL_BLOCK + in_block
-        key_mask = (block >= 0) & (in_block < SEL_BLOCK) & (pos <= p)  # Eq. 12: block tokens, clipped to <= p
+        pos, key_mask = selected_block_keys(block, tile, 0, p, offs_n, SEL_BLOCK, BLOCK_N)
         count += key_mask.to(tl.int32)
 
         kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
