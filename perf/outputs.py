@@ -4,6 +4,7 @@ writes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -12,9 +13,13 @@ DECODE_OUT = Path("reports/decode")  # decode bench, decode profile and the deco
 PERF_OUT = Path("reports/perf")  # perf run (paper sweep), the layer profile and the prefill probe
 
 
-def print_probe_row(row: dict) -> None:
-    """One result row of a kernel probe on stdout, floats to 4 decimals, as it is measured."""
-    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+def printed_rows(rows: Iterable[dict]) -> list[dict]:
+    """A kernel probe's result rows, each printed (floats to 4 decimals) as soon as it is measured."""
+    out = []
+    for row in rows:
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        out.append(row)
+    return out
 
 
 def write_probe_report(out_dir: Path, name: str, timing: str, results: list[dict]) -> Path:

@@ -4,8 +4,9 @@
 What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, median), bf16, in one of LAYOUTS
 (--layout: the paper's 64 q heads in 4 KV groups, d_k = d_v = 128, or prod-125m's 12 in 2, d = 64; both l = 32,
 d = 16, l' = 64, n = 16, w = 512), --batch sequences of --seq-len tokens:
-- `scores`: the group-scores kernel of optimized/kernels/selection.py (Eq. 8 + 10) over the last --score-rows query rows (the widest ranges)
-  per tiling, with its TFLOP/s on the useful q.k_cmp dots (every head, every visible compressed token);
+- `scores`: the group-scores kernel of optimized/kernels/selection.py (Eq. 8 + 10) over the last --score-rows
+  query rows (the widest ranges) per tiling, with its TFLOP/s on the useful q.k_cmp dots (every head, every
+  visible compressed token);
 - `selection`: the whole `selection_indices(range_backend="triton")` as nsa_forward calls it (the compressed
   branch's lse2 given), with the scoring chunks' P budget (selection.KERNEL_CHUNK_P_BYTES) set to each value; every
   budget must give the same indices bitwise (the chunking does not change a row's arithmetic);
@@ -36,7 +37,7 @@ from optimized.kernels.range_attention_bwd import range_attention_backward
 from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
 
-from .outputs import PERF_OUT, print_probe_row, write_probe_report
+from .outputs import PERF_OUT, printed_rows, write_probe_report
 from .flops import ATTENTION_BWD_FACTOR
 
 LAYOUTS = {"paper": NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128),
@@ -225,11 +226,7 @@ def main(argv: list[str] | None = None) -> int:
               "selection": lambda: probe_selection(x, args.rep_ms),
               "range": lambda: probe_range(x, scale, args.rep_ms),
               "backward": lambda: probe_backward(x, scale, args.rep_ms)}
-    results = []
-    for name in args.probes.split(","):
-        for row in probes[name]():
-            results.append(row)
-            print_probe_row(row)
+    results = printed_rows(row for name in args.probes.split(",") for row in probes[name]())
     write_probe_report(args.out, "prefill_probe",
                        f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; layout {args.layout}, "
                        f"batch {args.batch}, T = {args.seq_len}, "

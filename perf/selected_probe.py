@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from optimized.kernels.common import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling
 from optimized.kernels.selected_attention import selected_attention_forward
 from optimized.kernels.selected_attention_bwd import selected_attention_backward_dkdv, selected_attention_backward_dq
 
-from .outputs import PERF_OUT, print_probe_row, write_probe_report
+from .outputs import PERF_OUT, printed_rows, write_probe_report
 from .prefill_probe import LAYOUTS
 
 SEL_BLOCK = 64
@@ -162,7 +163,8 @@ def _diff(a, b) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
 
 
-def probe(x: dict, rep_ms: int) -> list[dict]:
+def probe(x: dict, rep_ms: int) -> Iterator[dict]:
+    """The rows of every kernel and launch setting, each yielded as soon as it is timed."""
     q, k, v, idx, scale = x["q"], x["k"], x["v"], x["indices"], x["scale"]
     o, stats, do, delta = x["o"], x["stats"], x["do"], x["delta"]
     group, dk, dv = q.shape[2] // k.shape[2], q.shape[-1], v.shape[-1]
@@ -176,30 +178,30 @@ def probe(x: dict, rep_ms: int) -> list[dict]:
         "forward": lambda t: selected_attention_forward(q, k, v, idx, SEL_BLOCK, scale, tiling=t),
         "dq": lambda t: selected_attention_backward_dq(q, k, v, idx, o, stats, do, SEL_BLOCK, scale, t)[0],
     }
-    out = []
     for kernel, shapes in (("gather", FORWARD_TILINGS), ("forward", FORWARD_TILINGS), ("dq", DQ_TILINGS)):
         default = defaults["forward" if kernel == "gather" else kernel]
         tilings = [default] + [t for t in (Tiling(key_tile_rows(SEL_BLOCK, n), w, st) for n, w, st in shapes)
                                if t != default]
-        reference = None if kernel == "gather" else runs[kernel](default)
-        for t in dict.fromkeys(tilings):
+        reference = None
+        for t in dict.fromkeys(tilings):  # the default first: the others are compared with its result
             result = runs[kernel](t)
+            reference = result if reference is None else reference
             ms = _bench(lambda: runs[kernel](t), rep_ms)
-            out.append({"probe": "selected", "kernel": kernel, "tiling": [t.block_n, t.num_warps, t.num_stages],
-                        "default": t == default, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
-                        "max_abs_diff_vs_default": None if reference is None else _diff(result, reference)})
-    reference = selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, dkdv_default)
+            yield {"probe": "selected", "kernel": kernel, "tiling": [t.block_n, t.num_warps, t.num_stages],
+                   "default": t == default, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
+                   "max_abs_diff_vs_default": None if kernel == "gather" else _diff(result, reference)}
+    reference = None
     tilings = [dkdv_default] + [DkdvTiling(key_tile_rows(SEL_BLOCK, n), cols, w, st) for n, cols, w, st in DKDV_TILINGS
                                 if cols >= heads_per_query(group)]
     for t in dict.fromkeys(tilings):
         result = selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t)
+        reference = result if reference is None else reference
         ms = _bench(lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t),
                     rep_ms)
-        out.append({"probe": "selected", "kernel": "dkdv",
-                    "tiling": [t.block_n, t.block_cols, t.num_warps, t.num_stages], "default": t == dkdv_default,
-                    "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
-                    "max_abs_diff_vs_default": _diff(result, reference)})
-    return out
+        yield {"probe": "selected", "kernel": "dkdv",
+               "tiling": [t.block_n, t.block_cols, t.num_warps, t.num_stages], "default": t == dkdv_default,
+               "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
+               "max_abs_diff_vs_default": _diff(result, reference)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
     x = _inputs(LAYOUTS[args.layout], args.seq_len, args.batch, args.selections, torch.device("cuda"),
                 torch.bfloat16)
-    results = probe(x, args.rep_ms)
-    for row in results:
-        print_probe_row(row)
+    results = printed_rows(probe(x, args.rep_ms))
     write_probe_report(args.out, "selected_probe",
                        f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; layout {args.layout}, "
                        f"batch {args.batch}, T = {args.seq_len}, n = {N_SEL}, l' = {SEL_BLOCK}, "

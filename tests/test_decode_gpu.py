@@ -158,9 +158,9 @@ def test_lean_graph_paper_layout_equals_prefill_and_seam_path(dtype):
     (the lean step; one step in d emits a compressed token), row 1 with a padding query every fifth step, in bf16
     and fp16 (each dtype's own emission kernel). Each real step: decode vs float64 prefill <= 2 x prefill in the
     same dtype vs float64 prefill (all with the decode's blocks, the prompt's from the free-running prefill); the
-    decode selects the free-running prefill's blocks for >= 99% of (query, group) rows; an eager cache on the seam-by-seam kernel path (lean_step=False) gives the same
-    compressed and window reads, the same selected reads where the
-    selections agree, and >= 99% of the selections."""
+    decode selects the free-running prefill's blocks for >= 99% of (query, group) rows; an eager cache on the
+    seam-by-seam kernel path (lean_step=False) gives the same compressed and window reads, the same selected reads
+    where the selections agree, and >= 99% of the selections."""
     T, steps = 2600, 48
     x16 = make_inputs(PAPER, T, B=2, seed=11, dtype=torch.float64, device="cuda", phi_hidden=128).to(
         dtype=dtype)

@@ -52,7 +52,7 @@ def test_every_launch_setting_computes_the_defaults_result(monkeypatch):
     monkeypatch.setattr(selected_probe, "DKDV_TILINGS", ((16, 16, 4, 1), (16, 32, 2, 1), (16, 1, 4, 1)))
     cfg = NSAConfig.preset("paper", n_heads=4, n_kv_heads=2, head_dim_qk=16, head_dim_v=16)
     x = selected_probe._inputs(cfg, 48, 1, "random", torch.device("cpu"), torch.float32)
-    rows = selected_probe.probe(x, rep_ms=1)
+    rows = list(selected_probe.probe(x, rep_ms=1))
     kernels = [r["kernel"] for r in rows]
     assert set(kernels) == {"gather", "forward", "dq", "dkdv"}
     for kernel in ("gather", "forward", "dq", "dkdv"):
