@@ -66,7 +66,10 @@ class NSAAttention(ReferenceNSAAttention):
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
         # The gate MLP's hidden activations (2 x d_model values per token) are recomputed in backward rather than
         # kept: one small matmul pair per layer for a third of what the layer would otherwise keep beyond dense.
-        gate_logits = checkpoint(self.gate, x, use_reentrant=False) if torch.is_grad_enabled() else self.gate(x)
+        # The MLP draws no random numbers, so no RNG state is saved for its recomputation (reading it is not
+        # allowed while a CUDA graph records the step).
+        gate_logits = (checkpoint(self.gate, x, use_reentrant=False, preserve_rng_state=False)
+                       if torch.is_grad_enabled() else self.gate(x))
         gates = torch.sigmoid(gate_logits).view(B, T, Hq, 3)
         return qk[:, :, :Hq], kv, gates
 

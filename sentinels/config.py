@@ -218,6 +218,10 @@ class TrainConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
     activation_checkpointing: bool = False
+    # Record each micro-step's forward and backward once as CUDA graphs and replay them (sentinels/graphs.py): one
+    # launch instead of one per kernel, for runs whose step time is the host queueing many short NSA kernels.
+    # CUDA, one process, data.packing contiguous, not with activation_checkpointing.
+    cuda_graphs: bool = False
     save_every: int = 50  # steps between checkpoints (0 = only at the end / on halt)
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"
@@ -310,6 +314,14 @@ class RunConfig:
         self.data.validate("data")
         self.train.validate("train")
         self.monitors.validate("monitors")
+        if self.train.cuda_graphs:
+            _require(self.train.device != "cpu", "train.cuda_graphs", "needs train.device cuda or auto",
+                     self.train.device)
+            _require(self.data.packing == "contiguous", "train.cuda_graphs",
+                     "replays one batch shape: needs data.packing contiguous (varlen batches change shape)",
+                     self.data.packing)
+            _require(not self.train.activation_checkpointing, "train.cuda_graphs",
+                     "is not combined with train.activation_checkpointing", self.train.activation_checkpointing)
         if self.model.debug.leak == "cross_document":
             _require(self.data.packing == "varlen", "model.debug.leak",
                      "cross_document drops the document boundaries of data.packing varlen (set data.packing: varlen)",

@@ -58,6 +58,7 @@ from .data.batch import Batch
 from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .data.tokenizers import get_tokenizer
+from .graphs import GraphedLoss
 from .distributed import (DistInfo, clip_grad_norm, diverged_parameters, gather_objects, gradient_sync,  # noqa: F401
                           init_distributed, load_sharded_state, on_every_rank, require_fsdp, save_sharded_tensors,
                           sharded_state, wrap_model)
@@ -314,6 +315,14 @@ class Trainer:
         self.net = wrap_model(self.model, parallel=cfg.train.parallel, device=self.device, info=self.dist,
                               bf16=self.effective_precision == "bf16")
         self.sharded = cfg.train.parallel == "fsdp"  # the checkpoint format: sharded directories (also in one process)
+        self.graphed_loss: GraphedLoss | None = None
+        if cfg.train.cuda_graphs:
+            if self.device.type != "cuda":
+                raise TrainerError(f"train.cuda_graphs needs a CUDA device; this run uses {self.device.type}")
+            if self.dist.active:
+                raise TrainerError(f"train.cuda_graphs runs in one process; this run has {self.dist.world_size} "
+                                   "ranks")
+            self.graphed_loss = GraphedLoss(self.model, self._autocast)
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         t = cfg.train
@@ -644,9 +653,15 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _autocast(self):
-        if self.effective_precision == "bf16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.effective_precision == "bf16":  # a CUDA graph must not keep autocast's cached casts
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self.cfg.train.cuda_graphs)
         return contextlib.nullcontext()
+
+    def _zero_grads(self) -> None:
+        if self.graphed_loss is not None:  # graphs: gradients stay allocated (GraphedLoss.zero_grads says why)
+            self.graphed_loss.zero_grads()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg.train
@@ -655,7 +670,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             assert math.isclose(group["lr"], lr_at(step, self.cfg), rel_tol=1e-9), (group["lr"], step)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         dt_fetch = 0.0
         loss_sum = torch.zeros((), device=self.device)
         n_layers = len(self.model.blocks)
@@ -681,8 +696,12 @@ class Trainer:
             if device_span is not None and micro == 0:
                 device_span[0].record()
             with gradient_sync(net, sync=micro == cfg.grad_accum - 1):
-                with self._autocast():  # the loss without the full logits (NSALanguageModel.forward)
-                    loss = net(batch.inputs, batch.cu_seqlens, labels=batch.labels, loss_mask=batch.loss_mask)
+                if self.graphed_loss is not None:  # recorded at the first micro-step, replayed after
+                    loss = self.graphed_loss(batch.inputs, batch.labels, cu_seqlens=batch.cu_seqlens,
+                                             loss_mask=batch.loss_mask)
+                else:
+                    with self._autocast():  # the loss without the full logits (NSALanguageModel.forward)
+                        loss = net(batch.inputs, batch.cu_seqlens, labels=batch.labels, loss_mask=batch.loss_mask)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
             for i, s in enumerate(self.model.layer_stats()):
@@ -695,7 +714,7 @@ class Trainer:
         if finite:
             self.optimizer.step()
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads()
         self.scheduler.step()
         loss_mean = loss_sum / cfg.grad_accum
         if self.dist.active:

@@ -62,6 +62,11 @@ def test_unknown_key_is_named(tmp_path):
     ("model:\n  nsa:\n    window_size: 4\n", r"model\.nsa: NSAConfig has no field"),
     ("monitors:\n  gate_collapse:\n    low: 0.9\n    high: 0.5\n", r"monitors\.gate_collapse"),
     ("train: 5\n", r"train: must be a mapping"),
+    ("train:\n  cuda_graphs: true\n  device: cpu\n", r"train\.cuda_graphs: needs train\.device cuda or auto"),
+    ("train:\n  cuda_graphs: true\n  activation_checkpointing: true\n",
+     r"train\.cuda_graphs: is not combined with train\.activation_checkpointing"),
+    ("train:\n  cuda_graphs: true\ndata:\n  packing: varlen\n", r"train\.cuda_graphs: replays one batch shape"),
+    ("train:\n  cuda_graphs: 1\n", r"train\.cuda_graphs: must be true or false"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError, match=key):

@@ -483,3 +483,9 @@ def test_cli_debug_shows_the_traceback(tmp_path, capsys):
     assert main(_cli_args(tmp_path / "file", "--debug")) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "TrainerError" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_graphs_without_a_cuda_device_is_refused_in_one_line(tmp_path):
+    with pytest.raises(TrainerError, match=r"^train\.cuda_graphs needs a CUDA device; this run uses cpu$"):
+        Trainer(_cfg(tmp_path / "run", "train.device=auto", "train.cuda_graphs=true"), console=False)
