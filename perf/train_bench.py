@@ -7,7 +7,8 @@ step hook records a CUDA event at the start of every step (perf_counter on CPU),
 whole loop iteration (data, forward, backward, clipping, optimizer, statistics, the per-step syncs). Reported: the
 median step (and mean, min, quartiles) and tokens/s = tokens per step / median step. Peak memory is
 torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up: parameters, gradients, optimizer
-state and activations). Every sequence length runs the same number of tokens per optimizer step (batch_plan).
+state and activations); with --cuda-graphs torch.cuda.max_memory_reserved instead, because the graphs hold their
+activations and workspaces in private memory pools that the allocated count leaves out once recorded. Every sequence length runs the same number of tokens per optimizer step (batch_plan).
 
 On CUDA the last warm-up step runs under torch.profiler to record which attention kernels ran (optimized's Triton
 kernels or the torch path for NSA, the SDPA kernel for dense), next to the module's backend switches.
@@ -34,8 +35,8 @@ import torch
 from .env import describe, nvidia_smi
 from .results import merge_rows, read_csv, write_csv
 from .timing import Samples
-from .train_model import GEOMETRIES, MODELS, BatchPlan, attention_path, batch_plan, count_parameters, geometry, \
-    trainer_for
+from .train_model import GEOMETRIES, MODELS, BatchPlan, Execution, attention_path, batch_plan, count_parameters, \
+    geometry, trainer_for
 
 OK, OOM, ERROR, SKIPPED = "ok", "oom", "error", "skipped"
 TRAIN_CSV, TRAIN_JSON, TRAIN_MD, TRAIN_PNG = "train.csv", "train.json", "train.md", "train.png"
@@ -55,6 +56,7 @@ class TrainRow:
     tokens_per_step: int
     status: str
     activation_checkpointing: bool = False
+    cuda_graphs: bool = False
     median_step_ms: float | None = None
     mean_step_ms: float | None = None
     min_step_ms: float | None = None
@@ -67,6 +69,10 @@ class TrainRow:
     loss_last: float | None = None
     attention: str = ""  # attention class and backend switches; kernels that ran (CUDA)
     note: str = ""
+
+    @property
+    def execution(self) -> Execution:
+        return Execution(self.activation_checkpointing, self.cuda_graphs)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -171,16 +177,16 @@ def describe_attention(model: torch.nn.Module, kernels: list[str] | None) -> str
 
 
 def run_case(geom_name: str, model: str, plan: BatchPlan, *, warmup: int, steps: int, device: torch.device,
-             deadline: float, activation_checkpointing: bool = False, log=print) -> TrainRow:
+             deadline: float, execution: Execution = Execution(), log=print) -> TrainRow:
     row = TrainRow(geom_name, model, plan.seq_len, plan.micro_batch, plan.grad_accum, plan.tokens, SKIPPED,
-                   activation_checkpointing)
+                   execution.activation_checkpointing, execution.cuda_graphs)
     clock = StepClock(device, warmup, steps, deadline, profile_kernels=True)
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
     try:
         with trainer_for(geometry(geom_name), model, plan, steps=warmup + steps, device=device, step_hook=clock,
-                         activation_checkpointing=activation_checkpointing) as trainer:
+                         execution=execution) as trainer:
             row.parameters = count_parameters(trainer.model)
             result = trainer.train()
             clock.finish()
@@ -196,8 +202,9 @@ def run_case(geom_name: str, model: str, plan: BatchPlan, *, warmup: int, steps:
             raise RuntimeError(f"expected {steps} timed steps, measured {len(timed)}")
         _fill_timing(row, timed)
         row.status = OK
-        if device.type == "cuda":
-            row.peak_mem_bytes = torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda":  # graphs keep their activations in private pools the allocated count leaves out
+            row.peak_mem_bytes = (torch.cuda.max_memory_reserved(device) if execution.cuda_graphs else
+                                  torch.cuda.max_memory_allocated(device))
     except OverBudget as exc:
         row.status, row.note = SKIPPED, str(exc)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded and the sweep goes on
@@ -236,7 +243,7 @@ class Sweep:
 
     def __init__(self, geometries: tuple[str, ...], models: tuple[str, ...], seq_lens: tuple[int, ...],
                  tokens_per_step: int, micro_tokens: int, warmup: int, steps: int, budget_s: float,
-                 device: torch.device, activation_checkpointing: bool = False, log=print):
+                 device: torch.device, execution: Execution = Execution(), log=print):
         for name in geometries:
             geometry(name)
         bad = [m for m in models if m not in MODELS]
@@ -247,7 +254,7 @@ class Sweep:
         self.plans = [batch_plan(T, tokens_per_step, micro_tokens) for T in seq_lens]
         self.geometries, self.models = geometries, models
         self.warmup, self.steps, self.budget_s, self.device = warmup, steps, budget_s, device
-        self.activation_checkpointing, self.log = activation_checkpointing, log
+        self.execution, self.log = execution, log
         self.started = time.perf_counter()
         self._last: dict[tuple[str, str], tuple[int, float]] = {}  # (geometry, model) -> (T, seconds per step)
 
@@ -272,11 +279,11 @@ class Sweep:
                         note = (f"skipped by the {self.budget_s:.0f} s budget: predicted ~{predicted or 0:.0f} s, "
                                 f"{max(0.0, left):.0f} s left")
                         row = TrainRow(geom, model, plan.seq_len, plan.micro_batch, plan.grad_accum, plan.tokens,
-                                       SKIPPED, self.activation_checkpointing, note=note)
+                                       SKIPPED, self.execution.activation_checkpointing,
+                                       self.execution.cuda_graphs, note=note)
                     else:
                         row = run_case(geom, model, plan, warmup=self.warmup, steps=self.steps, device=self.device,
-                                       deadline=self.deadline(), activation_checkpointing=self.activation_checkpointing,
-                                       log=self.log)
+                                       deadline=self.deadline(), execution=self.execution, log=self.log)
                         if row.status == OK:
                             self._last[(geom, model)] = (plan.seq_len, row.median_step_ms / 1e3)
                     rows.append(row)
@@ -310,12 +317,12 @@ def run_sweep(args, device: torch.device) -> tuple[list[TrainRow], Path]:
 
     out_dir = Path(args.out)
     sweep = Sweep(args.geometries, args.models, args.seq_lens, args.tokens_per_step, args.micro_tokens, args.warmup,
-                  args.steps, args.budget_s, device, args.activation_checkpointing)
+                  args.steps, args.budget_s, device, Execution(args.activation_checkpointing, args.cuda_graphs))
     env = describe(device)
     meta = {"env": env, "geometries": {g: GEOMETRIES[g].description for g in args.geometries},
             "tokens_per_step": args.tokens_per_step, "micro_batch_tokens": args.micro_tokens,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "budget_s": args.budget_s,
-            "activation_checkpointing": args.activation_checkpointing,
+            "activation_checkpointing": args.activation_checkpointing, "cuda_graphs": args.cuda_graphs,
             "timing": ("CUDA events at the start of every trainer step (Trainer.train step hook), median of the timed "
                        "steps after the warm-up" if device.type == "cuda" else
                        "perf_counter at the start of every trainer step, median of the timed steps after the warm-up")}

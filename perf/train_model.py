@@ -45,6 +45,25 @@ PAPER_NSA = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
 
 
 @dataclass(frozen=True)
+class Execution:
+    """How the trainer runs a step, for both models of a case: train.activation_checkpointing and train.cuda_graphs
+    (sentinels/graphs.py)."""
+
+    activation_checkpointing: bool = False
+    cuda_graphs: bool = False
+
+    def overrides(self) -> dict[str, bool]:
+        return {"train.activation_checkpointing": self.activation_checkpointing,
+                "train.cuda_graphs": self.cuda_graphs}
+
+    def label(self) -> str:
+        """What a report adds to a row: '' for plain eager steps."""
+        parts = [name for on, name in ((self.activation_checkpointing, "activation checkpointing"),
+                                       (self.cuda_graphs, "CUDA graphs")) if on]
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class Geometry:
     """A model shape to benchmark: a run config of configs/ with dotted overrides (RunConfig.replace keys)."""
 
@@ -54,7 +73,7 @@ class Geometry:
     description: str
 
     def run_config(self, *, seq_len: int, micro_batch: int, grad_accum: int, steps: int, device: str, out_dir: Path,
-                   activation_checkpointing: bool = False) -> RunConfig:
+                   execution: Execution = Execution()) -> RunConfig:
         """The config of one benchmark case: synthetic uniform tokens over the model's vocabulary, no warm-up of the
         learning rate (the schedule does not change the work of a step), no checkpoints, monitors that never fire on
         a benchmark (a first step that compiles kernels is not a stall; a dense model has no gates)."""
@@ -65,8 +84,7 @@ class Geometry:
             "data.source": "synthetic", "data.packing": "contiguous", "data.synthetic.task": "uniform",
             "data.synthetic.vocab_size": vocab, "train.seq_len": seq_len, "train.micro_batch_size": micro_batch,
             "train.grad_accum": grad_accum, "train.steps": steps, "train.warmup_steps": 0, "train.save_every": 0,
-            "train.device": device, "train.out_dir": str(out_dir),
-            "train.activation_checkpointing": activation_checkpointing,
+            "train.device": device, "train.out_dir": str(out_dir), **execution.overrides(),
             "monitors.halt_on_event": False, "monitors.gate_collapse.steps": 10**9,
             "monitors.watchdog.heartbeat_stall_s": 10.0**7,
         })
@@ -227,7 +245,7 @@ def batch_plan(seq_len: int, tokens_per_step: int, micro_tokens: int) -> BatchPl
 @contextlib.contextmanager
 def trainer_for(geom: Geometry, model: str, plan: BatchPlan, *, steps: int, device: torch.device,
                 step_hook: Callable[[Trainer, int], None] | None = None,
-                activation_checkpointing: bool = False) -> Iterator[Trainer]:
+                execution: Execution = Execution()) -> Iterator[Trainer]:
     """The trainer of one benchmark case (run directory in a temporary folder, removed afterwards), its model
     switched to DenseAttention for model="dense"; closed on exit."""
     if model not in MODELS:
@@ -235,7 +253,7 @@ def trainer_for(geom: Geometry, model: str, plan: BatchPlan, *, steps: int, devi
     with tempfile.TemporaryDirectory(prefix="perf-train-") as run_dir:
         cfg = geom.run_config(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                               steps=steps, device=device.type, out_dir=Path(run_dir),
-                              activation_checkpointing=activation_checkpointing)
+                              execution=execution)
         trainer = Trainer(cfg, console=False, save_checkpoints=False, step_hook=step_hook)
         try:
             if model == "dense":

@@ -94,8 +94,9 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
            f"(micro-batch x gradient accumulation below, at most {meta.get('micro_batch_tokens', '?')} tokens per "
            f"micro-step); {meta.get('warmup_steps', '?')} warm-up steps, then the median (and mean) of "
            f"{meta.get('timed_steps', '?')} timed steps ({meta.get('timing', '')}); tokens/s = tokens per step / "
-           f"median step; peak memory = torch.cuda.max_memory_allocated over the timed steps. Activation "
-           f"checkpointing: off unless a row says so.", ""]
+           f"median step; peak memory = torch.cuda.max_memory_allocated over the timed steps (rows with CUDA graphs: "
+           f"torch.cuda.max_memory_reserved, which counts the graphs' private memory pools). Activation "
+           f"checkpointing and CUDA graphs (train.cuda_graphs): off unless a row says so.", ""]
     idx = _index(rows)
     for geom in dict.fromkeys(r.geometry for r in rows):
         out += [f"## {geom}", "", (meta.get("geometries") or {}).get(geom, ""), ""]
@@ -106,8 +107,8 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
         for T in sorted({r.seq_len for r in rows if r.geometry == geom}):
             nsa, dense = idx.get((geom, "nsa", T)), idx.get((geom, "dense", T))
             any_row = nsa or dense
-            ckpt = " (activation checkpointing)" if any(r and r.activation_checkpointing for r in (nsa, dense)) else ""
-            cells = [_t(T) + ckpt, f"{any_row.micro_batch} x {any_row.grad_accum}", _cell(nsa, "tps"),
+            label = ", ".join(dict.fromkeys(r.execution.label() for r in (nsa, dense) if r and r.execution.label()))
+            cells = [_t(T) + (f" ({label})" if label else ""), f"{any_row.micro_batch} x {any_row.grad_accum}", _cell(nsa, "tps"),
                      _cell(dense, "tps"), f"{ratio[T]:.2f}x" if T in ratio else "-", _cell(nsa, "mem"),
                      _cell(dense, "mem"), _cell(nsa, "ms"), _cell(dense, "ms")]
             out.append("| " + " | ".join(cells) + " |")
