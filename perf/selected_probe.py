@@ -41,7 +41,7 @@ from .prefill_probe import LAYOUTS
 SEL_BLOCK = 64
 N_SEL = 16
 # (key rows, warps, stages)
-FORWARD_TILINGS = ((32, 1, 3), (32, 2, 2), (64, 2, 2), (64, 2, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2))
+FORWARD_TILINGS = ((32, 1, 2), (32, 1, 3), (32, 2, 2), (64, 2, 2), (64, 2, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2))
 DQ_TILINGS = FORWARD_TILINGS
 # (key rows, (query, head) columns, warps, stages)
 DKDV_TILINGS = ((64, 128, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 64, 4, 3))
