@@ -60,9 +60,12 @@ class NSAAttention(ReferenceNSAAttention):
                             *(getattr(self, f"v_{b}_proj").weight for b in BRANCHES)])
         y = F.linear(x, weight)
         n_qk = (Hq + len(BRANCHES) * Hkv) * dk
-        qk = apply_rope(y[..., :n_qk].view(B, T, Hq + len(BRANCHES) * Hkv, dk), positions, self.rope_base)
-        ks = qk[:, :, Hq:].split(Hkv, dim=2)
-        vs = y[..., n_qk:].contiguous().view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
+        # torch.split rather than slices: backward concatenates the parts' gradients into one tensor, where each
+        # slice would zero-fill a gradient of the whole tensor and the parts would then be added.
+        y_qk, y_v = y.split([n_qk, len(BRANCHES) * Hkv * dv], dim=-1)
+        qk = apply_rope(y_qk.view(B, T, Hq + len(BRANCHES) * Hkv, dk), positions, self.rope_base)
+        q, *ks = qk.split([Hq] + [Hkv] * len(BRANCHES), dim=2)
+        vs = y_v.contiguous().view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
         # The gate MLP's hidden activations (2 x d_model values per token) are recomputed in backward rather than
         # kept: one small matmul pair per layer for a third of what the layer would otherwise keep beyond dense.
@@ -71,7 +74,7 @@ class NSAAttention(ReferenceNSAAttention):
         gate_logits = (checkpoint(self.gate, x, use_reentrant=False, preserve_rng_state=False)
                        if torch.is_grad_enabled() else self.gate(x))
         gates = torch.sigmoid(gate_logits).view(B, T, Hq, 3)
-        return qk[:, :, :Hq], kv, gates
+        return q, kv, gates
 
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
                            cu_seqlens: Tensor | None = None, indices: Tensor | None = None) -> NSAOutput:

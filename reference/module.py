@@ -29,7 +29,7 @@ def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
     cos, sin = rope_angles(positions, dim, base)
     cos = cos.to(x.dtype)[None, :, None, :]
     sin = sin.to(x.dtype)[None, :, None, :]
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+    x1, x2 = x.split(dim // 2, dim=-1)  # backward concatenates the halves' gradients (no zero-filled copies)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 

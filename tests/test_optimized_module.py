@@ -90,3 +90,47 @@ def test_under_autocast_backward_keeps_one_copy_of_x_and_not_the_pre_rope_projec
     assert T * 10 * 2 not in storage_bytes, shapes  # no gate MLP hidden activation
     width = (CFG.n_heads + 3 * CFG.n_kv_heads) * CFG.head_dim_qk + 3 * CFG.n_kv_heads * CFG.head_dim_v
     assert T * width * 2 not in storage_bytes, shapes  # not the q/k/v matmul's bf16 output
+
+
+def _autograd_nodes(outputs: list[torch.Tensor]) -> set[str]:
+    seen, names, stack = set(), set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def test_project_backward_builds_no_full_size_gradient_per_part():
+    """q, the branch keys and the values are parts of one matmul output (and of RoPE's output): taken by
+    torch.split, their gradients are concatenated; taken by slicing, each part's backward would zero-fill a
+    gradient of the whole tensor and the parts would then be added."""
+    _, opt = _modules()
+    x = torch.randn(2, 19, 24, dtype=torch.float64, requires_grad=True)
+    names = _autograd_nodes(_flat(*opt.project(x)))
+    assert "SplitWithSizesBackward0" in names or "SplitBackward0" in names
+    assert not {n for n in names if n.startswith("SliceBackward")}, names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_rotation_written_with_slices(dtype):
+    """reference.module.apply_rope against the rotation spelled here with slices: the same values and the same
+    input gradient, bit for bit (splitting x only changes how backward assembles the gradient)."""
+    from reference.module import apply_rope, rope_angles
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 13, 3, 8, dtype=dtype, requires_grad=True)
+    positions = torch.arange(4, 17)
+    grad_out = torch.randn(2, 13, 3, 8, dtype=dtype)
+    cos, sin = (t.to(dtype)[None, :, None, :] for t in rope_angles(positions, 8, 500.0))
+    x_ref = x.detach().clone().requires_grad_(True)
+    x1, x2 = x_ref[..., :4], x_ref[..., 4:]
+    want = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    got = apply_rope(x, positions, 500.0)
+    assert torch.equal(got, want)
+    want.backward(grad_out)
+    got.backward(grad_out)
+    assert torch.equal(x.grad, x_ref.grad)
