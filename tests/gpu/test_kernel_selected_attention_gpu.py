@@ -81,7 +81,10 @@ def check_parity(case: Case, dtype: torch.dtype, seed: int = 0, qkv: tuple | Non
     idx = random_indices(case, seed=seed + 1, device=DEVICE)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     o = triton_selected_attention(*leaves, idx, case.sel_block)
-    do = torch.randn_like(o)
+    # dO from its own seed, not the global generator: a case's inputs, and so its ratios, must not depend on which
+    # tests the same process ran before (pytest-xdist splits the module differently from run to run)
+    generator = torch.Generator(device=o.device).manual_seed(seed + 2)
+    do = torch.randn(o.shape, generator=generator, device=o.device, dtype=o.dtype)
     dq, dk, dv = torch.autograd.grad(o, leaves, do, retain_graph=True)
     for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x).all(), f"{name} has NaN/inf"
