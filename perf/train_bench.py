@@ -8,7 +8,8 @@ whole loop iteration (data, forward, backward, clipping, optimizer, statistics, 
 median step (and mean, min, quartiles) and tokens/s = tokens per step / median step. Peak memory is
 torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up: parameters, gradients, optimizer
 state and activations); with --cuda-graphs torch.cuda.max_memory_reserved instead, because the graphs hold their
-activations and workspaces in private memory pools that the allocated count leaves out once recorded. Every sequence length runs the same number of tokens per optimizer step (batch_plan).
+activations and workspaces in private memory pools that the allocated count leaves out once recorded. Every
+sequence length runs the same number of tokens per optimizer step (batch_plan).
 
 On CUDA the last warm-up step runs under torch.profiler to record which attention kernels ran (optimized's Triton
 kernels or the torch path for NSA, the SDPA kernel for dense), next to the module's backend switches.

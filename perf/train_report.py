@@ -108,9 +108,9 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
             nsa, dense = idx.get((geom, "nsa", T)), idx.get((geom, "dense", T))
             any_row = nsa or dense
             label = ", ".join(dict.fromkeys(r.execution.label() for r in (nsa, dense) if r and r.execution.label()))
-            cells = [_t(T) + (f" ({label})" if label else ""), f"{any_row.micro_batch} x {any_row.grad_accum}", _cell(nsa, "tps"),
-                     _cell(dense, "tps"), f"{ratio[T]:.2f}x" if T in ratio else "-", _cell(nsa, "mem"),
-                     _cell(dense, "mem"), _cell(nsa, "ms"), _cell(dense, "ms")]
+            cells = [_t(T) + (f" ({label})" if label else ""), f"{any_row.micro_batch} x {any_row.grad_accum}",
+                     _cell(nsa, "tps"), _cell(dense, "tps"), f"{ratio[T]:.2f}x" if T in ratio else "-",
+                     _cell(nsa, "mem"), _cell(dense, "mem"), _cell(nsa, "ms"), _cell(dense, "ms")]
             out.append("| " + " | ".join(cells) + " |")
         out += ["", "Targets:", ""] + (target_lines(rows, geom) or ["- none for this geometry"]) + [""]
         paths = {}

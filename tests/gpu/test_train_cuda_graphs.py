@@ -22,7 +22,8 @@ TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
 def _train(out_dir: Path, cuda_graphs: bool) -> tuple[list[dict], dict[str, torch.Tensor], Trainer]:
     cfg = load_config(TINY, [f"train.out_dir={out_dir}", "train.device=cuda", "train.precision=bf16",
                              "train.seq_len=256", "train.micro_batch_size=2", "train.grad_accum=2", "train.steps=4",
-                             "train.warmup_steps=1", "train.save_every=0", f"train.cuda_graphs={str(cuda_graphs).lower()}"])
+                             "train.warmup_steps=1", "train.save_every=0",
+                             f"train.cuda_graphs={str(cuda_graphs).lower()}"])
     trainer = Trainer(cfg, console=False, save_checkpoints=False)
     try:
         result = trainer.train()
