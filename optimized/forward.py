@@ -168,14 +168,17 @@ def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Ph
         o_win, reads_win = range_attention.window_branch(q, kv.win.k, kv.win.v, cfg, positions, docs,
                                                          first_position)
     if "slc" in branches:
-        if indices is None:  # Eq. 8-11
+        own_selection = indices is None
+        if own_selection:  # Eq. 8-11
             indices = selection.selection_indices_rows(q, k_cmp, cfg, positions, n_sel_blocks, docs=docs,
                                                        cmp_softmax=cmp_softmax, chunk_size=chunk_size,
                                                        first_position=None if docs else first_position)
         # Eq. 12; o_slc stays in the kernel's dtype (Eq. 5's kernel widens it, an fp32 copy would only add traffic)
         o_slc, reads_slc = selected_branch(where, q, kv.slc.k, kv.slc.v, indices, cfg, positions,
                                            chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype,
-                                           widen_kernel_output=False, docs=docs)
+                                           widen_kernel_output=False, docs=docs,
+                                           own_selection_from=(first_position if own_selection and docs is None
+                                                               else None))
     o = eq5.gated_sum_kernel(gates, o_cmp, o_slc, o_win, compute=cd, dtype=q.dtype)  # Eq. 5 in one pass
     return _output(q, cfg, o, indices, (o_cmp, o_slc, o_win), (reads_cmp, reads_slc, reads_win))
 
@@ -196,23 +199,29 @@ def _output(q: Tensor, cfg: NSAConfig, o: Tensor, indices: Tensor | None, outs: 
 def selected_branch(where: Route, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig,
                     positions: Tensor, *, chunk_size: int | None = None, compute: torch.dtype | None = None,
                     kernel_dtype: torch.dtype | None = None, widen_kernel_output: bool = True,
-                    docs: Documents | None = None) -> tuple[Tensor, Tensor]:
+                    docs: Documents | None = None, own_selection_from: int | None = None) -> tuple[Tensor, Tensor]:
     """The selected branch (Eq. 12) for queries q [B, TQ, Hq, dk] at positions [TQ] over keys k [B, TK, Hkv, dk],
     on the selected-attention kernel when where.selected, else on the torch path's masked attention: (o_slc
     [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv]). compute: default where.compute; kernel_dtype: the
     dtype the kernel reads (default q.dtype; the torch path passes widened inputs and the caller's dtype);
     widen_kernel_output=False returns the kernel's output in kernel_dtype (without an fp32 copy). docs: the layout
-    of a packed batch (indices are document-relative blocks)."""
+    of a packed batch (indices are document-relative blocks). own_selection_from: the queries are one sequence's
+    positions from this one to the last key, and `indices` are what the selection kernels computed for them, so
+    the leading rows whose selection had no choice (every block up to their own) read one contiguous key run, which
+    the kernel path attends to with the range kernels (kernels/selected_attention.full_selection_ranges)."""
     compute = compute or where.compute
     if not where.selected:
         return selected_attention_rows(q, k, v, indices, cfg, positions, chunk_size=chunk_size, compute=compute,
                                        docs=docs)
-    from .kernels.selected_attention import admitted_reads, triton_selected_attention
+    from .kernels.selected_attention import admitted_reads, full_selection_ranges, triton_selected_attention
 
     kernel_dtype = kernel_dtype or q.dtype
     doc_start = None if docs is None else docs.token_start[positions]
+    full_rows = None if own_selection_from is None or docs is not None else full_selection_ranges(
+        own_selection_from, q.shape[1], cfg, q.device)
     o = triton_selected_attention(q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype), indices, cfg.sel_block,
-                                  doc_start=None if doc_start is None else doc_start.to(torch.int32))
+                                  doc_start=None if doc_start is None else doc_start.to(torch.int32),
+                                  full_rows=full_rows)
     relative = positions if doc_start is None else positions - doc_start
     return o.to(compute) if widen_kernel_output else o, admitted_reads(indices, relative, cfg.sel_block)
 

@@ -114,15 +114,18 @@ def _range_attention_fwd_kernel(
 
 
 def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor, scale: float, *,
-                            tiling: RangeTiling | None = None) -> tuple[Tensor | None, Tensor]:
+                            tiling: RangeTiling | None = None,
+                            out: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
     """Launch the forward on validated inputs (range_attention.check_range_inputs): q [B, TQ, Hq, dk],
     k [B, TK, Hkv, dk], v [B, TK, Hkv, dv] or None (lse only), lo/hi int32 [TQ] contiguous.
-    Returns (o [B, TQ, Hq, dv] in q's dtype or None, lse2 [B, TQ, Hq] fp32 base-2 log-sum-exp)."""
+    Returns (o [B, TQ, Hq, dv] in q's dtype or None, lse2 [B, TQ, Hq] fp32 base-2 log-sum-exp).
+    out: a [B, TQ, Hq, dv] tensor of q's dtype (last dim contiguous, e.g. rows of a larger output) to write o into."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv = k.shape[1], k.shape[2]
     with_output = v is not None
     dv = v.shape[-1] if with_output else dk
-    o = torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype) if with_output else None
+    o = (out if out is not None else torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype)) \
+        if with_output else None
     lse2 = torch.empty((B, TQ, Hq), device=q.device, dtype=torch.float32)
     if B * TQ * Hq == 0:
         return o, lse2

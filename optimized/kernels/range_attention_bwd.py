@@ -262,6 +262,43 @@ def range_attention_delta(do: Tensor, o: Tensor) -> Tensor:
     return delta
 
 
+def _launch_arguments(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse2: Tensor) -> tuple[dict, tuple]:
+    """The constexprs and input strides the dq and dk/dv launches share."""
+    Hq, dk, Hkv, dv = q.shape[2], q.shape[3], k.shape[2], v.shape[-1]
+    dot_fp32, precision = dot_settings(q.dtype)
+    common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
+                  INPUT_PRECISION=precision)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+               lse2.stride(0), lse2.stride(1))
+    return common, strides
+
+
+def range_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
+                                do: Tensor, scale: float, *, tiling: RangeTiling | None = None,
+                                consistent_d: bool = True, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(dq, D) of range attention: dq [B, TQ, Hq, dk] in q's dtype and D [B, TQ, Hq] fp32 (contiguous, lse2's
+    layout), the consistent sum P dP the dk/dv pass takes (FlashAttention-2's rowsum(dO * O) with
+    consistent_d=False). out: a [B, TQ, Hq, dk] tensor of q's dtype (last dim contiguous) to write dq into."""
+    B, TQ, Hq, dk = q.shape
+    TK = k.shape[1]
+    dq = out if out is not None else torch.empty_like(q)
+    delta = range_attention_delta(do, o)  # D0; the dq kernel overwrites it with the consistent D
+    if B * TQ * Hq == 0 or TK == 0:
+        return dq.zero_(), delta
+    common, strides = _launch_arguments(q, k, v, do, lse2)
+
+    def launch_dq(t: RangeTiling) -> None:
+        _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m), Hq, B)](
+            q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CONSISTENT_D=consistent_d,
+            num_warps=t.num_warps, num_stages=t.num_stages, **common)
+
+    first = tiling or range_tiling(padded(dk), padded(v.shape[-1]), q.dtype, "dq")
+    launch_with_fallback(launch_dq, first, smaller_range_tilings(first))
+    return dq, delta
+
+
 def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
                              do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
                              dkdv_tiling: RangeTiling | None = None, split: int | None = None,
@@ -273,26 +310,15 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     FlashAttention-2's D0, kept for the split test and perf.prefill_probe's before/after timing."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    dq = torch.empty_like(q)
     dkey = torch.empty_like(k)
     dval = torch.empty_like(v)
     if B * Hkv == 0 or TK == 0:
-        return dq.zero_(), dkey, dval
+        return torch.zeros_like(q), dkey, dval
     if TQ == 0:
-        return dq, dkey.zero_(), dval.zero_()
-    delta = range_attention_delta(do, o)  # D0; the dq kernel overwrites it with the consistent D
-    dot_fp32, precision = dot_settings(q.dtype)
-    common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
-                  INPUT_PRECISION=precision)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-               lse2.stride(0), lse2.stride(1))
-
-    def launch_dq(t: RangeTiling) -> None:
-        _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m), Hq, B)](
-            q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CONSISTENT_D=consistent_d,
-            num_warps=t.num_warps, num_stages=t.num_stages, **common)
+        return torch.empty_like(q), dkey.zero_(), dval.zero_()
+    dq, delta = range_attention_backward_dq(q, k, v, lo, hi, o, lse2, do, scale, tiling=dq_tiling,
+                                            consistent_d=consistent_d)
+    common, strides = _launch_arguments(q, k, v, do, lse2)
 
     def launch_dkdv(t: RangeTiling) -> tuple[Tensor, Tensor]:
         q_first, q_last = reading_rows(lo, hi, TK, t.block_n)
@@ -310,8 +336,6 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
             COMPENSATED=q.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages, **common)
         return out_k, out_v
 
-    first = dq_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dq")
-    launch_with_fallback(launch_dq, first, smaller_range_tilings(first))
     first = dkdv_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dkdv")
     out_k, out_v = launch_with_fallback(launch_dkdv, first, smaller_range_tilings(first))
     if out_k.shape[0] > 1:

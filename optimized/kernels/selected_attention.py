@@ -19,6 +19,7 @@ no atomics).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,10 +27,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from reference.config import NSAConfig
+
+from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
 from ..numerics import LN2, LOG2E
 from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_tiling, interpreting, launch_with_fallback, padded,
                      selected_block_keys)
+from .range_attention import range_attention_forward
 from .selected_attention_bwd import selected_attention_backward
 
 
@@ -126,20 +131,25 @@ def logsumexp(stats: Tensor) -> Tensor:
 
 
 def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
-                               tiling: Tiling | None = None,
-                               doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                               tiling: Tiling | None = None, doc_start: Tensor | None = None,
+                               out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel on validated inputs (last dim contiguous). Returns (o, stats [B, TQ, Hq, 2] fp32).
 
     tiling: launch settings, used as given (the GPU benchmark sweeps it); default: tiling.forward_tiling's
     heuristic, shrunk by launch_with_fallback if the GPU lacks the resources it needs.
     doc_start: int32 [TQ] contiguous, the first key of each query row's document (packed batch), or None.
+    out: (o, stats) tensors of those shapes (last two dims of stats and the last of o contiguous, e.g. rows of
+    larger ones) to write into.
     """
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = Hq // Hkv
     n_sel = indices.shape[-1]
-    o = torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype)
-    stats = torch.empty((B, TQ, Hq, 2), device=q.device, dtype=torch.float32)
+    if out is None:
+        o = torch.empty((B, TQ, Hq, dv), device=q.device, dtype=q.dtype)
+        stats = torch.empty((B, TQ, Hq, 2), device=q.device, dtype=torch.float32)
+    else:
+        o, stats = out
     if B * TQ * Hq == 0:
         return o, stats
     block_h, block_dk, block_dv = padded(group), padded(dk), padded(dv)
@@ -169,26 +179,45 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
 
 
 class SelectedAttentionFunction(torch.autograd.Function):
-    """o = Eq. 12 of (q, k, v) over the selected blocks `indices`; gradients for q, k, v."""
+    """o = Eq. 12 of (q, k, v) over the selected blocks `indices`; gradients for q, k, v.
+
+    full_lo, full_hi (int32 [P], or None): the first P query rows select every block up to their own, so their keys
+    are one contiguous run [full_lo, full_hi]; the range kernels attend to it (forward and dq) instead of
+    gathering it block by block. Their stats are (lse2, 1), the same P = 2^(s log2(e) - m) / l, and the dk/dv
+    kernel takes every row as before, so each key's dk/dv is still one sum, rounded once."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
-                doc_start: Tensor | None) -> Tensor:
-        o, stats = selected_attention_forward(q, k, v, indices, sel_block, scale, doc_start=doc_start)
-        ctx.save_for_backward(q, k, v, indices, o, stats, doc_start)
+                doc_start: Tensor | None, full_lo: Tensor | None, full_hi: Tensor | None) -> Tensor:
+        P = 0 if full_lo is None else full_lo.shape[0]
+        B, TQ, Hq, _ = q.shape
+        o = torch.empty((B, TQ, Hq, v.shape[-1]), device=q.device, dtype=q.dtype)
+        stats = torch.empty((B, TQ, Hq, 2), device=q.device, dtype=torch.float32)
+        lse2 = None
+        if P:
+            _, lse2 = range_attention_forward(q[:, :P], k, v, full_lo, full_hi, scale, out=o[:, :P])
+            has_key = torch.isfinite(lse2)
+            stats[:, :P, :, 0] = torch.where(has_key, lse2, 0.0)  # an empty range: m = 0, 1/l = 0 (P = 0)
+            stats[:, :P, :, 1] = has_key.to(torch.float32)
+        if P < TQ:
+            selected_attention_forward(q[:, P:], k, v, indices[:, P:], sel_block, scale, doc_start=doc_start,
+                                       out=(o[:, P:], stats[:, P:]))
+        ctx.save_for_backward(q, k, v, indices, o, stats, doc_start, full_lo, full_hi, lse2)
         ctx.sel_block, ctx.scale = sel_block, scale
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        q, k, v, indices, o, stats, doc_start = ctx.saved_tensors
+        q, k, v, indices, o, stats, doc_start, full_lo, full_hi, lse2 = ctx.saved_tensors
+        full_rows = None if full_lo is None else (full_lo, full_hi, lse2)
         dq, dk, dv = selected_attention_backward(q, k, v, indices, o, stats, do, ctx.sel_block, ctx.scale,
-                                                 doc_start=doc_start)
-        return dq, dk, dv, None, None, None, None
+                                                 doc_start=doc_start, full_rows=full_rows)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int,
-                              scale: float | None = None, *, doc_start: Tensor | None = None) -> Tensor:
+                              scale: float | None = None, *, doc_start: Tensor | None = None,
+                              full_rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Eq. 12 with the Triton kernels: o [B, TQ, Hq, dv].
 
     q [B, TQ, Hq, dk]: the queries at the LAST TQ positions of the TK keys (row t is position TK - TQ + t;
@@ -205,14 +234,65 @@ def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, 
     clipped to <= the row's position. Documents are contiguous: doc_start is non-decreasing, doc_start[t] <= the
     row's position, and a row whose doc_start differs from the previous row's starts its document
     (doc_start[t] = its position). Checked here (one device sync); a ValueError names the rule.
+
+    full_rows (lo, hi), int32 [P] contiguous on q's device (full_selection_ranges): the first P rows' indices
+    are every block up to the row's own, so their keys are the run [lo[t], hi[t]]; the range kernels attend to it
+    instead of gathering it block by block (same result up to rounding). The caller vouches for those rows'
+    indices (nsa_forward passes it for the indices its selection kernels computed); not with doc_start.
     """
     _validate(q, k, v, indices, sel_block)
     if doc_start is not None:
         doc_start = _validated_doc_start(doc_start, q.shape[1], k.shape[1], q.device)
+    full_lo, full_hi = (None, None) if full_rows is None else _validated_full_rows(full_rows, q, doc_start)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return SelectedAttentionFunction.apply(q, k, v, indices, sel_block, float(scale), doc_start)
+    return SelectedAttentionFunction.apply(q, k, v, indices, sel_block, float(scale), doc_start, full_lo, full_hi)
+
+
+def full_selection_ranges(first_position: int, n_rows: int, cfg: NSAConfig,
+                          device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The key runs of the leading rows of one sequence (queries at positions first_position ..) whose selection
+    has no choice: with J + 1 <= n (J from the seam masks.current_sel_block), Eq. 11's top-n takes every block
+    0..J (selection.py's top-n kernel writes all blocks that exist), so the row reads keys 0 .. min(p, (J + 1) l'
+    - 1), one contiguous run. (lo, hi) int32 [P] on device for the P leading such rows, None when there are none.
+    In a sequence of T tokens these are the first min(T, n l') rows: half the rows at T = 2k with the paper's
+    n = 16, l' = 64. Built on the host once per shape, config, device and seam (like range_attention's
+    sequence_ranges), so a layer reads nothing back from the device."""
+    return _full_selection_ranges(first_position, n_rows, cfg, device, masks.current_sel_block)
+
+
+@functools.lru_cache(maxsize=64)
+def _full_selection_ranges(first_position: int, n_rows: int, cfg: NSAConfig, device: torch.device,
+                           seam) -> tuple[Tensor, Tensor] | None:
+    positions = torch.arange(first_position, first_position + n_rows)
+    last_block = seam(positions, cfg)  # J of each row
+    complete = (last_block + 1 <= cfg.n_sel).tolist()
+    rows = complete.index(False) if False in complete else n_rows  # the leading run of rows without a choice
+    if rows == 0:
+        return None
+    hi = torch.minimum(positions[:rows], (last_block[:rows] + 1) * cfg.sel_block - 1)
+    if rows > 1 and bool((hi[1:] < hi[:-1]).any()):  # a seam whose J decreases: the range kernels need order
+        return None
+    lo = torch.zeros(rows, dtype=torch.int32)
+    return lo.to(device), hi.clamp(min=-1).to(torch.int32).to(device)
+
+
+def _validated_full_rows(full_rows, q: Tensor, doc_start: Tensor | None) -> tuple[Tensor, Tensor]:
+    where = "triton_selected_attention: full_rows"
+    if doc_start is not None:
+        raise ValueError(f"{where} is for one sequence's rows; a packed batch (doc_start) gathers every row")
+    if not isinstance(full_rows, tuple) or len(full_rows) != 2:
+        raise ValueError(f"{where} must be a (lo, hi) pair of int32 tensors [P]")
+    lo, hi = full_rows
+    for name, x in (("lo", lo), ("hi", hi)):
+        if not isinstance(x, Tensor) or x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous() \
+                or x.shape[0] != lo.shape[0] or x.device != q.device:
+            raise ValueError(f"{where}: {name} must be a contiguous int32 tensor [P] on {q.device}, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if not 0 < lo.shape[0] <= q.shape[1]:
+        raise ValueError(f"{where}: P = {lo.shape[0]} rows must be between 1 and TQ = {q.shape[1]}")
+    return lo, hi
 
 
 def admitted_reads(indices: Tensor, relative: Tensor, sel_block: int) -> Tensor:

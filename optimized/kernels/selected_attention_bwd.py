@@ -45,6 +45,7 @@ from torch import Tensor
 from ..numerics import LOG2E
 from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot_settings, dq_tiling, heads_per_query,
                      key_tile_rows, launch_with_fallback, padded, selected_block_keys, smaller_dkdv_tilings)
+from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
 
 L = TypeVar("L")
@@ -305,7 +306,9 @@ def precision_modes(dtype: torch.dtype) -> dict:
 def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, stats: Tensor,
                                 do: Tensor, sel_block: int, scale: float, tiling: Tiling | None = None,
                                 dkdv_launch: DkdvTiling | None = None, queries_per_item: int | None = None,
-                                doc_start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                doc_start: Tensor | None = None,
+                                full_rows: tuple[Tensor, Tensor, Tensor] | None = None
+                                ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv for validated inputs (last dims contiguous) and the forward's o, stats (m, 1/l).
 
     tiling / dkdv_launch: launch settings of the dq and dk/dv kernels, used as given (the GPU benchmark sweeps
@@ -313,11 +316,27 @@ def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor
     queries_per_item: most queries one dk/dv program walks before its block is split over workspace slots
     (default: selected_attention_index.default_queries_per_item); tests set it small to cover the split path.
     doc_start: int32 [TQ] contiguous, the first key of each query row's document (packed batch), or None.
+    full_rows: (lo, hi, lse2) of the first P rows, which the forward attended on the range kernel over their key
+    runs [lo, hi] (selected_attention.SelectedAttentionFunction): their dq and D come from the range dq kernel,
+    the other rows' from the dq kernel here; the dk/dv kernel then takes every row, so each key's dk/dv is still one
+    sum, rounded once.
     """
     if do.stride(-1) != 1:
         do = do.contiguous()
-    dq, delta = selected_attention_backward_dq(q, k, v, indices, o, stats, do, sel_block, scale, tiling,
-                                               doc_start=doc_start)
+    if full_rows is None:
+        dq, delta = selected_attention_backward_dq(q, k, v, indices, o, stats, do, sel_block, scale, tiling,
+                                                   doc_start=doc_start)
+    else:
+        lo, hi, lse2 = full_rows
+        P, TQ = lo.shape[0], q.shape[1]
+        dq = torch.empty_like(q)
+        delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        _, delta_full = range_attention_backward_dq(q[:, :P], k, v, lo, hi, o[:, :P], lse2, do[:, :P], scale,
+                                                    out=dq[:, :P])
+        delta[:, :P] = delta_full  # the range dq kernel keeps D in lse2's contiguous [B, P, Hq] layout
+        if P < TQ:
+            selected_attention_backward_dq(q[:, P:], k, v, indices[:, P:], o[:, P:], stats[:, P:], do[:, P:],
+                                           sel_block, scale, tiling, out=(dq[:, P:], delta[:, P:]))
     dk, dv = selected_attention_backward_dkdv(q, k, v, indices, stats, delta, do, sel_block, scale, dkdv_launch,
                                               queries_per_item, doc_start=doc_start)
     return dq, dk, dv
@@ -325,13 +344,18 @@ def selected_attention_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor
 
 def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, o: Tensor, stats: Tensor,
                                    do: Tensor, sel_block: int, scale: float, tiling: Tiling | None = None,
-                                   doc_start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """dq [B, TQ, Hq, dk] and D [B, TQ, Hq] fp32 = sum_s P_s dP_s (consistent with the kernels' P and dP)."""
+                                   doc_start: Tensor | None = None,
+                                   out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """dq [B, TQ, Hq, dk] and D [B, TQ, Hq] fp32 = sum_s P_s dP_s (consistent with the kernels' P and dP).
+    out: (dq, D) tensors of those shapes (the last dim of each contiguous, e.g. rows of larger ones) to write into."""
     B, TQ, Hq, dk_dim = q.shape
     TK, Hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     group = Hq // Hkv
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    delta = torch.empty((B, TQ, Hq), device=q.device, dtype=torch.float32)
+    if out is None:
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        delta = torch.empty((B, TQ, Hq), device=q.device, dtype=torch.float32)
+    else:
+        dq, delta = out
     if B * TQ * Hq == 0:
         return dq, delta
     block_h, block_dk, block_dv = padded(group), padded(dk_dim), padded(dv_dim)

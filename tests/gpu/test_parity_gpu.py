@@ -15,6 +15,9 @@ getting the same low-precision inputs and the float64 oracle their exact values)
   the tested dtype) on 24 sampled rows, the loss weighting only those rows, so dq/d(gates) of the rows and every
   dk, dv, d(phi) are comparable. The selection of all rows is the vectorized float64 path's, checked equal to the
   loop reference's on the sampled rows;
+- T = 1061 with the paper's head layout, bf16 and fp16, nsa_forward with its defaults and its own selection: rows
+  0..1023 select every block up to their own and the selected branch attends to their key runs on the range
+  kernels (the rest gathered); oracle and baseline as above, teacher-forced on the call's own indices;
 - T = 65536, paper config (64 q heads, 4 KV groups, d_k = d_v = 128), bf16: one full forward + backward on the
   kernels must complete with finite results; on 24 sampled rows o, dq and d(gates) (which depend only on the row)
   are compared with the loop reference on those rows (float64 oracle, bf16 baseline) and with the vectorized
@@ -225,6 +228,45 @@ def test_kernels_vs_loop_reference_up_to_8k(T, dtype, range_backend):
                   f"{differing} (row, group)s differ from float64, {len(bad)} outside the tie tolerance"})
     assert ratio <= 1.0, f"T={T} {dtype}: {name} error ratio {ratio:.3f} > 1 ({ratios})"
     assert not bad, bad[:5]
+
+
+# Own selection at 1061 tokens: rows 0..1023 (J + 1 <= n) select every block up to their own, so the selected branch
+# attends to their key runs on the range kernels; rows 1024.. are gathered ----------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
+def test_own_selection_with_full_rows_vs_loop_reference(dtype):
+    cfg = PAPER_HEADS
+    T = 1061
+    low = make_inputs(cfg, T, seed=T + 1, dtype=dtype, phi_hidden=64)
+    exact = low.to(dtype=torch.float64)
+    rows = sample_positions(T, cfg, ROWS_PER_CHECK)
+    weight = torch.zeros(1, T, cfg.n_heads, cfg.head_dim_v, dtype=torch.float64)
+    weight[:, rows] = cotangent((1, len(rows), cfg.n_heads, cfg.head_dim_v)).to(dtype).to(torch.float64)
+
+    run_in = low.to(device=DEVICE, requires_grad=True)
+    out = O.nsa_forward(run_in.q, run_in.kv, run_in.gates, cfg, run_in.phi)  # the default path, its own selection
+    grads = grads_of(out.o, run_in, weight.to(device=DEVICE))
+    indices = out.indices.cpu()
+    full = cfg.n_sel * cfg.sel_block
+    blocks = torch.arange(cfg.n_sel)
+    expected_full = torch.where(blocks <= torch.arange(full)[:, None] // cfg.sel_block, blocks, -1)
+    assert torch.equal(indices[0, :full], expected_full[:, None, :].expand(full, cfg.n_kv_heads, cfg.n_sel))
+
+    rows_indices = indices[:, rows]
+    oracle = reference_rows_with_grads(exact, cfg, rows, rows_indices, weight[:, rows], kv_grads=True)
+    baseline = reference_rows_with_grads(low, cfg, rows, rows_indices, weight[:, rows], kv_grads=True)
+    candidate = {"o": out.o[:, rows.to(DEVICE)]}
+    candidate.update({f"d{n}": (g[:, rows.to(DEVICE)] if n in ("q", "gates") else g) for n, g in grads.items()})
+    ratios = {n: error_ratio(candidate[n], baseline[n], oracle[n]) for n in oracle}
+    name, ratio = worst(ratios)
+    REPORT["kernels_up_to_8k"].append({
+        "case": f"paper heads T={T}, own selection (rows < {full} on the range kernels)", "dtype": dtype_name(dtype),
+        "shape": f"B=1 T={T} Hq=64 Hkv=4 dk=192 dv=128 l=32 d=16 l'=64 n=16 w=512, phi mlp",
+        "oracle": f"loop reference float64 on {len(rows)} sampled rows (CPU), on the call's own selection; "
+                  "baseline: loop reference in dtype",
+        "worst_ratio": (name, ratio), "ratios": ratios, "seconds_fwd_bwd": None, "peak_bytes": None,
+        "detail": "nsa_forward with its defaults: the selection kernels' indices, rows whose selection is every "
+                  "block up to their own attended on the range kernels, the others gathered"})
+    assert ratio <= 1.0, f"T={T} {dtype}: {name} error ratio {ratio:.3f} > 1 ({ratios})"
 
 
 # Chunk size and batch composition on CUDA (bitwise indices) ------------------------------------------------------
