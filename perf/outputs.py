@@ -3,6 +3,7 @@ writes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +21,28 @@ def printed_rows(rows: Iterable[dict]) -> list[dict]:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         out.append(row)
     return out
+
+
+def add_probe_arguments(parser: argparse.ArgumentParser, name: str, layouts: Iterable[str], seq_len: int,
+                        rep_ms: int) -> None:
+    """The options every kernel probe takes: --layout, --seq-len, --batch, --rep-ms and --out (<name>.json)."""
+    parser.add_argument("--layout", choices=sorted(layouts), default="paper", help="heads, groups and head dims")
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch", type=int, default=1, help="sequences of --seq-len tokens")
+    parser.add_argument("--rep-ms", type=int, default=rep_ms, help="do_bench's timing window per variant")
+    parser.add_argument("--out", type=Path, default=PERF_OUT, help=f"writes {name}.json here (default {PERF_OUT})")
+
+
+def check_probe_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """add_probe_arguments' rules: --batch and --seq-len >= 1 (parser.error names them otherwise)."""
+    if args.batch < 1 or args.seq_len < 1:
+        parser.error(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
+
+
+def probe_timing(rep_ms: int, layout: str, batch: int, seq_len: int) -> str:
+    """How a kernel probe (timing.bench_ms) timed its rows, for write_probe_report's `timing`."""
+    return (f"triton.testing.do_bench median (L2 flushed), rep {rep_ms} ms; layout {layout}, batch {batch}, "
+            f"T = {seq_len}")
 
 
 def write_probe_report(out_dir: Path, name: str, timing: str, results: list[dict]) -> Path:

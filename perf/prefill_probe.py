@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
-import triton
 
 from optimized import masks
 from optimized.kernels import selection
@@ -37,7 +35,8 @@ from optimized.kernels.range_attention_bwd import range_attention_backward
 from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
 
-from .outputs import PERF_OUT, printed_rows, write_probe_report
+from .outputs import add_probe_arguments, check_probe_arguments, printed_rows, probe_timing, write_probe_report
+from .timing import bench_ms
 from .flops import ATTENTION_BWD_FACTOR
 
 LAYOUTS = {"paper": NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128),
@@ -51,10 +50,6 @@ BUDGETS_MIB = (24, 64, 128, 256)
 
 def _tiling(shape: tuple[int, int, int, int]) -> RangeTiling:
     return RangeTiling(block_m=shape[0], block_n=shape[1], num_warps=shape[2], num_stages=shape[3])
-
-
-def _bench(fn, rep_ms: int) -> float:
-    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
 def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
@@ -101,7 +96,7 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
     for shape in SCORE_TILINGS:
         t = _tiling(shape)
         p = group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t)
-        ms = _bench(lambda: group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t), rep_ms)
+        ms = bench_ms(lambda: group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t), rep_ms)
         out.append({"probe": "scores", "tiling": list(shape), "default": t == default, "rows": T - r0,
                     "ms": ms, "tflops": flops / ms / 1e9,
                     "max_abs_diff_vs_default": float((p - reference).abs().max())})
@@ -133,7 +128,7 @@ def probe_selection(x: dict, rep_ms: int) -> list[dict]:
             indices = run()
             first = indices if first is None else first
             out.append({"probe": "selection", "budget_mib": mib, "default": mib * 2**20 == saved_budget,
-                        "chunks": used[0], "ms": _bench(run, rep_ms),
+                        "chunks": used[0], "ms": bench_ms(run, rep_ms),
                         "same_indices": bool(torch.equal(indices, first))})
     finally:
         selection.KERNEL_CHUNK_P_BYTES, selection.kernel_chunks = saved_budget, kernel_chunks
@@ -152,7 +147,7 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
         for shape in RANGE_TILINGS:
             t = _tiling(shape)
             o = range_attention_forward(q, k, v, lo, hi, scale, tiling=t)[0]
-            ms = _bench(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t), rep_ms)
+            ms = bench_ms(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t), rep_ms)
             out.append({"probe": "range", "branch": branch, "tiling": list(shape), "default": t == default,
                         "ms": ms, "tflops": flops / ms / 1e9,
                         "max_abs_diff_vs_default": float((o.float() - reference.float()).abs().max())})
@@ -199,24 +194,18 @@ def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
             out.append({"probe": "backward", "branch": branch, "consistent_d": consistent,
                         "dq_tiling": list(dq_shape), "dkdv_tiling": list(dkdv_shape),
                         "default": consistent and dq_tiling == dq_default and dkdv_tiling == dkdv_default,
-                        "ms": (ms := _bench(run, rep_ms)), "tflops": flops / ms / 1e9,
+                        "ms": (ms := bench_ms(run, rep_ms)), "tflops": flops / ms / 1e9,
                         "max_abs_grad_diff_vs_first": diff})
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=65536)
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="paper", help="heads, groups and head dims")
-    parser.add_argument("--batch", type=int, default=1, help="sequences of --seq-len tokens")
+    add_probe_arguments(parser, "prefill_probe", LAYOUTS, seq_len=65536, rep_ms=300)
     parser.add_argument("--score-rows", type=int, default=8192, help="the last rows the scores probe reads")
     parser.add_argument("--probes", default="scores,selection,range,backward")
-    parser.add_argument("--rep-ms", type=int, default=300, help="do_bench's timing window per variant")
-    parser.add_argument("--out", type=Path, default=PERF_OUT,
-                        help="writes prefill_probe.json here (default reports/perf)")
     args = parser.parse_args(argv)
-    if args.batch < 1:
-        parser.error(f"--batch must be >= 1, got {args.batch}")
+    check_probe_arguments(parser, args)
     global CFG
     CFG = LAYOUTS[args.layout]
     device = torch.device("cuda")
@@ -228,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
               "backward": lambda: probe_backward(x, scale, args.rep_ms)}
     results = printed_rows(row for name in args.probes.split(",") for row in probes[name]())
     write_probe_report(args.out, "prefill_probe",
-                       f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; layout {args.layout}, "
-                       f"batch {args.batch}, T = {args.seq_len}, "
+                       f"{probe_timing(args.rep_ms, args.layout, args.batch, args.seq_len)}, "
                        f"scores over the last {args.score_rows} rows", results)
     return 0
 

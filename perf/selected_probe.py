@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import triton
@@ -35,8 +34,9 @@ from optimized.kernels.common import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling
 from optimized.kernels.selected_attention import selected_attention_forward
 from optimized.kernels.selected_attention_bwd import selected_attention_backward_dkdv, selected_attention_backward_dq
 
-from .outputs import PERF_OUT, printed_rows, write_probe_report
+from .outputs import add_probe_arguments, check_probe_arguments, printed_rows, probe_timing, write_probe_report
 from .prefill_probe import LAYOUTS
+from .timing import bench_ms
 
 SEL_BLOCK = 64
 N_SEL = 16
@@ -154,10 +154,6 @@ def _inputs(cfg, T: int, batch: int, kind: str, device: torch.device, dtype: tor
             "delta": delta}
 
 
-def _bench(fn, rep_ms: int) -> float:
-    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
-
-
 def _diff(a, b) -> float:
     pairs = zip(a, b) if isinstance(a, tuple) else ((a, b),)
     return max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
@@ -186,7 +182,7 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
         for t in dict.fromkeys(tilings):  # the default first: the others are compared with its result
             result = runs[kernel](t)
             reference = result if reference is None else reference
-            ms = _bench(lambda: runs[kernel](t), rep_ms)
+            ms = bench_ms(lambda: runs[kernel](t), rep_ms)
             yield {"probe": "selected", "kernel": kernel, "tiling": [t.block_n, t.num_warps, t.num_stages],
                    "default": t == default, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
                    "max_abs_diff_vs_default": None if kernel == "gather" else _diff(result, reference)}
@@ -196,7 +192,7 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
     for t in dict.fromkeys(tilings):
         result = selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t)
         reference = result if reference is None else reference
-        ms = _bench(lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t),
+        ms = bench_ms(lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t),
                     rep_ms)
         yield {"probe": "selected", "kernel": "dkdv",
                "tiling": [t.block_n, t.block_cols, t.num_warps, t.num_stages], "default": t == dkdv_default,
@@ -206,23 +202,16 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="paper", help="heads, groups and head dims")
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--batch", type=int, default=1, help="sequences of --seq-len tokens")
+    add_probe_arguments(parser, "selected_probe", LAYOUTS, seq_len=16384, rep_ms=200)
     parser.add_argument("--selections", choices=("random", "same"), default="random")
-    parser.add_argument("--rep-ms", type=int, default=200, help="do_bench's timing window per variant")
-    parser.add_argument("--out", type=Path, default=PERF_OUT,
-                        help="writes selected_probe.json here (default reports/perf)")
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.seq_len < 1:
-        parser.error(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
+    check_probe_arguments(parser, args)
     x = _inputs(LAYOUTS[args.layout], args.seq_len, args.batch, args.selections, torch.device("cuda"),
                 torch.bfloat16)
     results = printed_rows(probe(x, args.rep_ms))
     write_probe_report(args.out, "selected_probe",
-                       f"triton.testing.do_bench median (L2 flushed), rep {args.rep_ms} ms; layout {args.layout}, "
-                       f"batch {args.batch}, T = {args.seq_len}, n = {N_SEL}, l' = {SEL_BLOCK}, "
-                       f"{args.selections} selections", results)
+                       f"{probe_timing(args.rep_ms, args.layout, args.batch, args.seq_len)}, n = {N_SEL}, "
+                       f"l' = {SEL_BLOCK}, {args.selections} selections", results)
     return 0
 
 

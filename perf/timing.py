@@ -16,6 +16,14 @@ from dataclasses import dataclass
 import torch
 
 
+def bench_ms(fn: Callable[[], object], rep_ms: int) -> float:
+    """The kernel probes' timing: triton.testing.do_bench's median in ms over a rep_ms window (warm-up a quarter of
+    it, at least 25 ms; the L2 flushed before every run)."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
 @dataclass
 class Samples:
     """Per-run times in milliseconds of one round."""

@@ -44,7 +44,7 @@ def test_prefill_probe_variants_agree(monkeypatch):
 
     monkeypatch.setattr(prefill_probe, "CFG", NSAConfig.preset("paper", n_heads=8, n_kv_heads=2, head_dim_qk=16,
                                                                 head_dim_v=16, window=64))
-    monkeypatch.setattr(prefill_probe, "_bench", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(prefill_probe, "bench_ms", lambda fn, rep_ms: 1.0)
     monkeypatch.setattr(prefill_probe, "BUDGETS_MIB", (24, 1 / 64, 1 / 256))
     monkeypatch.setattr(prefill_probe, "SCORE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
     monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1)))
@@ -74,7 +74,7 @@ def test_prefill_probe_layouts_and_batch(monkeypatch):
     prod = prefill_probe.LAYOUTS["prod-125m"]
     assert (prod.n_heads, prod.n_kv_heads, prod.head_dim_qk, prod.head_dim_v) == (12, 2, 64, 64)
     monkeypatch.setattr(prefill_probe, "CFG", prod.replace(window=32))
-    monkeypatch.setattr(prefill_probe, "_bench", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(prefill_probe, "bench_ms", lambda fn, rep_ms: 1.0)
     monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1),))
     one = prefill_probe._inputs(64, torch.device("cpu"), torch.float32)
     two = prefill_probe._inputs(64, torch.device("cpu"), torch.float32, batch=2)

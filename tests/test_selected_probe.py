@@ -1,8 +1,11 @@
 """perf/selected_probe.py in Triton's interpreter (fp32, tiny shapes): the selections it draws follow Eq. 11's forced
 blocks and causality, its gather-only kernel loads exactly the keys and values the forward reads (their sums against
 torch's), its byte count is the keys the kernels admit, and every launch setting of the forward, dq and dk/dv
-computes the default's result."""
+computes the default's result; both kernel probes refuse a non-positive --batch or --seq-len in one line."""
 
+import importlib
+
+import pytest
 import torch
 
 from perf import selected_probe
@@ -46,7 +49,7 @@ def test_gather_kernel_loads_what_the_forward_reads_and_the_bytes_count_those_ke
 def test_every_launch_setting_computes_the_defaults_result(monkeypatch):
     monkeypatch.setattr(selected_probe, "SEL_BLOCK", 16)
     monkeypatch.setattr(selected_probe, "N_SEL", 3)
-    monkeypatch.setattr(selected_probe, "_bench", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(selected_probe, "bench_ms", lambda fn, rep_ms: 1.0)
     monkeypatch.setattr(selected_probe, "FORWARD_TILINGS", ((16, 4, 1), (16, 2, 1)))
     monkeypatch.setattr(selected_probe, "DQ_TILINGS", ((16, 2, 1),))
     monkeypatch.setattr(selected_probe, "DKDV_TILINGS", ((16, 16, 4, 1), (16, 32, 2, 1), (16, 1, 4, 1)))
@@ -61,3 +64,13 @@ def test_every_launch_setting_computes_the_defaults_result(monkeypatch):
     assert len([r for r in rows if r["kernel"] == "dkdv"]) == 3  # the 1-column setting is below the group's heads
     assert max(r["max_abs_diff_vs_default"] for r in rows if r["kernel"] != "gather") < 1e-5
     assert all(r["gathered_gb"] == rows[0]["gathered_gb"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("probe_main", ["selected_probe", "prefill_probe"])
+@pytest.mark.parametrize("flag", ["--batch", "--seq-len"])
+def test_probes_refuse_a_non_positive_batch_or_length(probe_main, flag, capsys):
+    module = importlib.import_module(f"perf.{probe_main}")
+    with pytest.raises(SystemExit) as exc:
+        module.main([flag, "0"])
+    assert exc.value.code == 2
+    assert "--batch and --seq-len must be >= 1" in capsys.readouterr().err
