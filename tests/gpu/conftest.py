@@ -32,6 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(worker_threads(cores, int(workers)))
 
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
