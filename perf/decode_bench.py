@@ -4,9 +4,9 @@ For each context s and batch B: an NSADecodeCache (bf16, 64 query heads in 4 KV 
 l, d, l', n, w, phi = MLP) is filled with s - 1 random tokens; one decode step then appends token s - 1 (Table 4's
 step at context s) and the next ones. Both sides run as CUDA graphs and are timed with CUDA events around each
 replay, after an L2 flush, median over the timed steps:
-- NSA: DecodeGraph replays of cache.step: on the kernel path the lean step (docs/decode.md): six Triton launches
-  (append to the three branch caches, compressed splits, Eq. 8-10 scores, Eq. 11 lists, selected + window splits,
-  gates), plus the Eq. 7 emission on the steps that complete a compressed block (one step in d);
+- NSA: DecodeGraph replays of cache.step: on the kernel path the lean step (docs/decode.md): five Triton launches
+  (compressed splits with the append to the three branch caches, Eq. 8-10 scores, Eq. 11 lists, selected + window
+  splits, gates), plus the Eq. 7 emission on the steps that complete a compressed block (one step in d);
 - SDPA: the new key/value written into the same selection-branch history, then
   F.scaled_dot_product_attention over its first s keys; the faster of two GQA forms (the 16 query heads of a KV
   group as 16 query rows of it, or enable_gqa=True) is the baseline.

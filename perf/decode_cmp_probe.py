@@ -3,9 +3,10 @@
 At 64k x 16 the kernel streams 134 MB of compressed keys/values and writes 17 MB of logits, the largest part of the
 step (docs/decode.md, "Measured"). This probe times
 optimized/kernels/decode_step_cmp.compressed_split_kernel on synthetic inputs of the paper layout (64 query heads in
-4 KV groups, d = 128, l = 32, d = 16, bf16) with the lean step's launch (64-key tiles, 4 warps, 2 stages, the
-policy's splits) and with other key-tile rows, warps, pipeline stages and split counts, each with its achieved
-bandwidth (keys/values read + logits written). The logits of every variant must equal the lean launch's bitwise
+4 KV groups, d = 128, l = 32, d = 16, bf16) with the lean step's launch (decode_step's BLOCK_N key-tile rows,
+STEP_WARPS warps, CMP_STAGES stages, the policy's splits) and with other key-tile rows, warps, pipeline stages and
+split counts, each with its achieved bandwidth (keys/values read + logits written; the step's append, which the
+launch's first splits also do, writes a few KB). The logits of every variant must equal the lean launch's bitwise
 (the same dot products; only the partials' split boundaries differ), so a variant is a drop-in launch change.
 
     python -m perf.decode_cmp_probe [--out DIR]   # on a GPU; prints a table, writes decode_cmp_probe.json
@@ -28,7 +29,7 @@ from optimized.numerics import LOG2E
 
 from .outputs import DECODE_OUT, write_probe_report
 
-HQ, HKV, D, CMP_BLOCK, CMP_STRIDE = 64, 4, 128, 32, 16
+HQ, HKV, D, CMP_BLOCK, CMP_STRIDE, WINDOW = 64, 4, 128, 32, 16, 512
 LEAN = (BLOCK_N, STEP_WARPS, CMP_STAGES)  # the lean step's key-tile rows, warps and stages
 
 
@@ -38,8 +39,15 @@ def inputs(batch: int, context: int, device: torch.device, dtype: torch.dtype = 
     k = torch.randn((batch, HKV, n_slots + 1, D), generator=g, device=device).to(dtype)
     v = torch.randn((batch, HKV, n_slots + 1, D), generator=g, device=device).to(dtype)
     q = torch.randn((batch, 1, HQ, D), generator=g, device=device).to(dtype)
-    return {"q": q, "k": k, "v": v, "n_slots": n_slots, "rows": batch * HKV,
-            "lengths": torch.full((batch,), context, dtype=torch.int64, device=device),
+    new = tuple(torch.randn((batch, 1, HKV, D), generator=g, device=device).to(dtype) for _ in range(6))
+
+    def buffer(slots: int) -> torch.Tensor:  # a cache buffer the launch's append writes the step's token into
+        return torch.zeros((batch, HKV, slots + 1, D), dtype=dtype, device=device)
+
+    append = (*new, buffer(CMP_BLOCK), buffer(CMP_BLOCK), buffer(context), buffer(context), buffer(WINDOW),
+              buffer(WINDOW))
+    return {"q": q, "k": k, "v": v, "n_slots": n_slots, "rows": batch * HKV, "append": append,
+            "lengths": torch.full((batch,), context - 1, dtype=torch.int64, device=device),  # before the step
             "n_new": torch.ones(batch, dtype=torch.int64, device=device)}
 
 
@@ -55,9 +63,10 @@ def launcher(x: dict, splits: int, block_n: int, warps: int, stages: int):
 
     def run():
         compressed_split_kernel[(rows, splits)](
-            q, k, v, x["lengths"], x["n_new"], logits, parts.o, parts.m, parts.l, parts.reads,
+            q, k, v, x["lengths"], x["n_new"], logits, parts.o, parts.m, parts.l, parts.reads, *x["append"],
             q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             n_slots, keys_per_split, splits, scale * LOG2E, scale,
+            *(x["append"][i].shape[2] for i in (6, 8, 10)),  # the raw ring's, history's and window's slots + 1
             HKV=HKV, GROUP=group, DK=D, DV=D, BLOCK_H=group, BLOCK_DK=D, BLOCK_DV=D, BLOCK_N=block_n,
             CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, STRICT=False, LOGIT_SCORES=False,
             DOT_FP32=q.dtype == torch.float32,

@@ -87,7 +87,7 @@ def lean_cases() -> list[Case]:
     gate_pointers = {name: "*fp32" for name in ("O_PART", "M_PART", "L_PART", "O_CPART", "M_CPART", "L_CPART")}
     gate_pointers.update({name: "*i32" for name in ("R_PART", "R_CPART")})
     gate_pointers.update({name: "*bf16" for name in ("GATES", "O", "O_CMP", "O_SLC", "O_WIN")})
-    gate_pointers.update({name: "*i64" for name in ("N_NEW", "READS_CMP", "READS_SLC", "READS_WIN")})
+    gate_pointers.update({name: "*i64" for name in ("LENGTHS", "N_NEW", "READS_CMP", "READS_SLC", "READS_WIN")})
     score_pointers = {"LENGTHS": "*i64", "N_NEW": "*i64", "LOGITS": "*fp32", "M_PART": "*fp32", "L_PART": "*fp32",
                       "R_PART": "*i32", "SCORES": "*fp32"}
     select_pointers = {"LENGTHS": "*i64", "N_NEW": "*i64", "SCORES": "*fp32", "LISTS": "*i64"}

@@ -467,9 +467,9 @@ def test_compiled_stages_give_the_same_decode():
 
 
 def test_step_splits_give_the_one_warp_select_launch_four_times_the_programs(monkeypatch):
-    """The split policy behind the measured H100 steps (132 SMs: 264 programs per launch; reports/decode/logs): at
-    64k the four-warp launches get 264 // rows programs per row (batch 16: 4; batch 1: the sqrt cap on the compressed
-    splits), the one-warp select launch four times that, capped at 16 lists per row and one list per 64 blocks."""
+    """The split policy behind the measured H100 steps (132 SMs: 264 programs per launch): at 64k the four-warp
+    launches get 264 // rows programs per row (batch 16: 4; batch 1: the sqrt cap on the compressed splits), the
+    one-warp select launch four times that, capped at 16 lists per row and one list per 64 blocks."""
     from optimized.kernels import decode_step
 
     monkeypatch.setattr(decode_step, "program_budget", lambda device: 264)

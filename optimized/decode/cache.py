@@ -48,7 +48,7 @@ class NSADecodeCache:
     each branch gathered. backend: "auto" (the kernels on CUDA, optimized.dispatch), "torch" (any device) or
     "triton" (the kernels; CPU needs TRITON_INTERPRET=1), for the prefill (both of nsa_forward's backend
     keywords) as for the decode calls. Steps on the
-    kernel path run the lean step (six Triton launches, optimized/decode/lean.py) unless lean_step=False, which
+    kernel path run the lean step (five Triton launches, optimized/decode/lean.py) unless lean_step=False, which
     keeps them on the seam-by-seam kernel path of every other call (for comparisons). Which convention seams each
     path honours: docs/decode.md. compile_stages=True runs the
     torch stages of a call (planning, the Eq. 8-11 seams, the gates; the lean step's Eq. 7 emission in fp32) through

@@ -1,6 +1,6 @@
 """DecodeGraph: an NSADecodeCache call captured as CUDA graphs, so a decode step costs one graph launch instead of
 hundreds of Python-dispatched kernel launches. A step (n_queries = 1) on the kernel path captures the lean step:
-six Triton launches (plus the Eq. 7 emission's one or two in the graph that emits), nothing to compile.
+five Triton launches (plus the Eq. 7 emission's one or two in the graph that emits), nothing to compile.
 
 A captured call scans a static range of compressed tokens and selection blocks, sized by `horizon` (every row must
 stay <= horizon tokens); the cache's lengths live on the device and the graph advances them itself. Two graphs are

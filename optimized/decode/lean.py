@@ -1,4 +1,4 @@
-"""The lean decode step (docs/decode.md, "Lean step"): a step (one token per row) on the kernel path in six Triton
+"""The lean decode step (docs/decode.md, "Lean step"): a step (one token per row) on the kernel path in five Triton
 launches (optimized/kernels/decode_step.py) instead of the ~30 small kernels of NSADecodeCache.advance.
 
 The kernels compute every convention themselves from the config's switches (window_keys, cmp_visibility,

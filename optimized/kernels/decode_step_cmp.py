@@ -4,7 +4,9 @@
    group's heads as one tile. Visibility (Eq. 7, masks.compressed_block_visible) is computed in the kernel from the
    query position and the row's emitted count, so no [B, TQ, N] mask is built. Each program writes its partial
    (max, sum, output, keys admitted) and the Eq. 8 input of every key it admitted: the base-2 scaled logits
-   q.k / sqrt(d_k) * log2(e) the softmax used (selection score "probs") or the scaled logits ("logits").
+   q.k / sqrt(d_k) * log2(e) the softmax used (selection score "probs") or the scaled logits ("logits"). The first
+   split of each (row, KV group) also appends the step's new token to the other branches' buffers
+   (decode_append.py).
 2. score kernel: one program per (row, KV group) and chunk of SCORE_BLOCK selection blocks j <= J = p // l'. It
    merges the compressed splits' max and sum into each head's log-sum-exp (the gate kernel merges their outputs
    into o_cmp), then head by head from the head's row of the Eq. 8 inputs (1-D loads: no [heads, blocks] tile to
@@ -24,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import (group_queries, merge_stats, qk_tile, softmax_update, step_position, store_partial,
+from .decode_append import append_head_token
+from .decode_tiles import (await_previous_launch, group_queries, merge_stats, qk_tile, softmax_update, step_position, store_partial,
                            visible_cmp_count)
 from .top_n import EMPTY, score_into_list
 
@@ -32,19 +35,25 @@ from .top_n import EMPTY, score_into_list
 @triton.jit
 def compressed_split_kernel(
     Q, K, V, LENGTHS, N_NEW, LOGITS, O_PART, M_PART, L_PART, R_PART,
+    NEW_K_CMP, NEW_V_CMP, NEW_K_SLC, NEW_V_SLC, NEW_K_WIN, NEW_V_WIN, RAW_K, RAW_V, HIST_K, HIST_V, WIN_K, WIN_V,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
-    n_slots, keys_per_split, n_split, scale_log2, scale,
+    n_slots, keys_per_split, n_split, scale_log2, scale, raw_extent, hist_extent, win_extent,
     HKV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, STRICT: tl.constexpr, LOGIT_SCORES: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    await_previous_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     g = row % HKV
     b = row // HKV
+    if split == 0:  # the step's append of this (row, KV head): buffers this kernel does not read
+        append_head_token(LENGTHS, N_NEW, NEW_K_CMP, NEW_V_CMP, NEW_K_SLC, NEW_V_SLC, NEW_K_WIN, NEW_V_WIN, RAW_K,
+                          RAW_V, HIST_K, HIST_V, WIN_K, WIN_V, b, g, raw_extent, hist_extent, win_extent, HKV, DK, DV,
+                          BLOCK_DK, BLOCK_DV)
     p, held = step_position(LENGTHS, N_NEW, b)
     n_visible = visible_cmp_count(p, held, CMP_BLOCK, CMP_STRIDE, STRICT)  # Eq. 7: blocks 0..n_visible-1
 
@@ -134,7 +143,9 @@ def score_kernel(
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     STRICT: tl.constexpr, LOGIT_SCORES: tl.constexpr, MEAN: tl.constexpr,
     EQ9_FIRST: tl.constexpr, EQ9_BAND: tl.constexpr, SCORE_BLOCK: tl.constexpr, CMP_SPLITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_previous_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // HKV
     p, held = step_position(LENGTHS, N_NEW, b)
@@ -157,8 +168,9 @@ def score_kernel(
 def select_kernel(
     LENGTHS, N_NEW, SCORES, LISTS, n_blocks, blocks_per_list, n_lists,
     HKV: tl.constexpr, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N_SEL: tl.constexpr,
-    N_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr,
+    N_PAD: tl.constexpr, RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    await_previous_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // HKV
     p, _ = step_position(LENGTHS, N_NEW, b)

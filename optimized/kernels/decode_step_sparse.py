@@ -10,7 +10,8 @@
 4. gate kernel: one program per (row, KV group) and TILE_DV output columns merges the compressed splits into
    o_cmp, the selected splits into o_slc and the window splits into o_win, and applies Eq. 5: o = g_cmp o_cmp +
    g_slc o_slc + g_win o_win, each product and sum rounded to the output dtype as torch's gated_sum does; a padding
-   query gets o = 0.
+   query gets o = 0. It also advances each row's length by its new tokens: every launch of the step before it
+   reads the length before the step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import group_queries, merge_partials, qk_tile, softmax_update, step_position, store_partial
+from .decode_tiles import await_previous_launch, group_queries, merge_partials, qk_tile, softmax_update, step_position, store_partial
 from .top_n import merged_blocks
 
 
@@ -32,8 +33,9 @@ def sparse_split_kernel(
     HKV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
-    LISTS_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
+    LISTS_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    await_previous_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     g = row % HKV
@@ -104,13 +106,15 @@ def _normalised(acc, l_i, DTYPE: tl.constexpr):
 
 @triton.jit
 def gate_kernel(
-    O_PART, M_PART, L_PART, R_PART, O_CPART, M_CPART, L_CPART, R_CPART, GATES, N_NEW, O, O_CMP, O_SLC, O_WIN,
-    READS_CMP, READS_SLC, READS_WIN,
+    O_PART, M_PART, L_PART, R_PART, O_CPART, M_CPART, L_CPART, R_CPART, GATES, LENGTHS, N_NEW, O, O_CMP, O_SLC,
+    O_WIN, READS_CMP, READS_SLC, READS_WIN,
     stride_ob, stride_oh, stride_gb, stride_gh, stride_gc,
     n_cmp_split, n_slc_split, n_win_split,
     HKV: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
     TILE_DV: tl.constexpr, CMP_SPLITS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_previous_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     dv_first = tl.program_id(1) * TILE_DV  # this program's output columns
     g = row % HKV
@@ -142,7 +146,8 @@ def gate_kernel(
     term_win = (g_win[:, None] * o_win.to(tl.float32)).to(DTYPE)
     o = ((term_cmp.to(tl.float32) + term_slc.to(tl.float32)).to(DTYPE).to(tl.float32)
          + term_win.to(tl.float32)).to(DTYPE)
-    real = tl.load(N_NEW + b) > 0
+    n_new = tl.load(N_NEW + b)
+    real = n_new > 0
     tl.store(O + out, tl.where(real, o, 0.0).to(DTYPE), mask=out_mask)  # a padding query gets 0
     tl.store(O_CMP + out, o_cmp, mask=out_mask)
     tl.store(O_SLC + out, o_slc, mask=out_mask)
@@ -151,3 +156,5 @@ def gate_kernel(
         tl.store(READS_CMP + row, reads_c.to(tl.int64))
         tl.store(READS_SLC + row, reads_s.to(tl.int64))
         tl.store(READS_WIN + row, reads_w.to(tl.int64))
+        if g == 0:  # the step's last launch advances the row's length (no program of it reads the length)
+            tl.store(LENGTHS + b, tl.load(LENGTHS + b) + n_new)

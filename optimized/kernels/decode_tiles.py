@@ -11,6 +11,18 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def await_previous_launch(PDL: tl.constexpr):
+    """A lean-step launch made with programmatic dependent launch (PDL, sm_90 and later) may start while the launch
+    before it still runs: wait here until that launch has finished and its writes are visible, then let the next
+    launch start its programs (they wait here in turn). So a launch's start-up overlaps the tail of the one before,
+    and the order of the step's launches is kept. Without PDL the stream orders the launches: nothing to do."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -105,11 +117,13 @@ def merge_partials(O_PART, M_PART, L_PART, R_PART, first, count, dv_first, BLOCK
 
 @triton.jit
 def step_position(LENGTHS, N_NEW, b):
-    """(query position p, tokens held after the step) of row b in a step whose append already ran: the step's query
-    is the row's last token, p = lengths - 1; a row without a new token (padding query) gets p = -1."""
-    held = tl.load(LENGTHS + b)
-    p = tl.where(tl.load(N_NEW + b) > 0, held - 1, -1)
-    return p, held
+    """(query position p, tokens held after the step) of row b: LENGTHS holds the row's tokens before the step (the
+    gate kernel advances it, the last launch), and the step's query is its new token, p = lengths; a row without a
+    new token (padding query) gets p = -1."""
+    before = tl.load(LENGTHS + b)
+    n_new = tl.load(N_NEW + b)
+    p = tl.where(n_new > 0, before, -1)
+    return p, before + n_new
 
 
 @triton.jit
