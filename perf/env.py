@@ -1,8 +1,9 @@
-"""What machine and software a sweep ran on: GPU, clocks, versions (recorded with every result file; read-only
-queries only). Which tree was measured is the commit that adds the result files."""
+"""What machine and software a sweep ran on: GPU, clocks, host CPU, versions (recorded with every result file;
+read-only queries only). Which tree was measured is the commit that adds the result files."""
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import shutil
@@ -42,10 +43,25 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def host_cpu() -> str:
+    """The host CPU's model and logical core count, e.g. 'Intel(R) Xeon(R) Platinum 8480+, 16 cores': an eager
+    training step launches thousands of kernels from Python, so its time depends on the host as well as the GPU
+    (perf/NOTES.md). The model comes from /proc/cpuinfo where there is one, else platform.processor()."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "")
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    return f"{model}, {os.cpu_count() or '?'} cores"
+
+
 def describe(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "device": device_name(device),
         "device_type": device.type,
+        "host_cpu": host_cpu(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),

@@ -85,8 +85,8 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
               f"{smi.get('clocks.max.sm', '?')}; memory clock {smi.get('clocks.mem', '?')} MHz; "
               f"{smi.get('power.limit', '?')} W limit; driver {smi.get('driver_version', '?')})" if smi else "")
     out = ["# Training throughput: NSA against the same model with dense attention", "",
-           f"{env.get('device', '?')}{clocks}; torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
-           f"CUDA {env.get('cuda', '?')}.", "",
+           f"{env.get('device', '?')}{clocks}; host {env.get('host_cpu', 'not recorded')}; torch "
+           f"{env.get('torch', '?')}, triton {env.get('triton', '?')}, CUDA {env.get('cuda', '?')}.", "",
            f"Full trainer steps (`sentinels.trainer.Trainer`: forward, backward, gradient clipping, AdamW, the "
            f"per-step statistics) of the NSA model and of the same model with each layer's attention replaced by "
            f"causal SDPA with GQA over the same q / k / v / output projections and RoPE (`perf/train_model.py`), "

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from perf.cli import main
+from perf.env import host_cpu
 from perf.train_bench import OverBudget, StepClock, read_rows
 from perf.train_model import DenseAttention, batch_plan, geometry, trainer_for, use_dense_attention
 from reference.module import apply_rope
@@ -122,6 +123,7 @@ def test_train_sweep_cpu_tiny_end_to_end(tmp_path, one_thread):
     assert dense.parameters < nsa.parameters
 
     text = (out / "train.md").read_text()
+    assert f"host {host_cpu()};" in text  # the eager step's time depends on the host: the report names it
     with open(out / "train.csv", newline="") as fh:
         first = next(csv.DictReader(fh))
     ratio = float(first["tokens_per_s"]) / float(rows[1].tokens_per_s)
