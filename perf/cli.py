@@ -308,7 +308,8 @@ def add_train_parsers(sub) -> None:
     train.add_argument("--activation-checkpointing", action="store_true",
                        help="train.activation_checkpointing for both models (default off)")
     train.add_argument("--cuda-graphs", action="store_true",
-                       help="train.cuda_graphs for both models: each micro-step replayed from CUDA graphs (default off)")
+                       help="train.cuda_graphs for both models: each micro-step replayed from CUDA graphs (default: "
+                            "the eager step; the trainer's own default, auto, replays graphs in one CUDA process)")
     train.add_argument("--merge", action="store_true", help="keep the rows of --out that this sweep does not measure")
     train.add_argument("--out", type=Path, default=DEFAULT_TRAIN_OUT,
                        help="writes train.csv, train.json, train.md, train.png here (default reports/perf/train)")

@@ -219,9 +219,10 @@ class TrainConfig:
     seed: int = 0
     activation_checkpointing: bool = False
     # Record each micro-step's forward and backward once as CUDA graphs and replay them (sentinels/graphs.py): one
-    # launch instead of one per kernel, for runs whose step time is the host queueing many short NSA kernels.
-    # CUDA, one process, data.packing contiguous, not with activation_checkpointing.
-    cuda_graphs: bool = False
+    # launch instead of one per kernel, so the step time no longer depends on the host queueing many short NSA
+    # kernels. true needs CUDA, one process, data.packing contiguous and no activation_checkpointing (refused
+    # otherwise); auto (the default) turns it on exactly when those hold; false keeps the eager step.
+    cuda_graphs: Literal["auto", True, False] = "auto"
     save_every: int = 50  # steps between checkpoints (0 = only at the end / on halt)
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"
@@ -314,7 +315,7 @@ class RunConfig:
         self.data.validate("data")
         self.train.validate("train")
         self.monitors.validate("monitors")
-        if self.train.cuda_graphs:
+        if self.train.cuda_graphs is True:
             _require(self.train.device != "cpu", "train.cuda_graphs", "needs train.device cuda or auto",
                      self.train.device)
             _require(self.data.packing == "contiguous", "train.cuda_graphs",
@@ -501,6 +502,11 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _yaml(value: Any) -> str:
+    """A config value as YAML spells it (true / false for booleans)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def _convert(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -515,8 +521,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return _convert(inner[0], value, key)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{key}: must be one of {list(allowed)}, got {value!r}")
+        if not any(value == a and type(value) is type(a) for a in allowed):  # 1 is not true
+            raise ConfigError(f"{key}: must be one of [{', '.join(_yaml(a) for a in allowed)}], got {_yaml(value)}")
         return value
     if origin is list:
         (item_tp,) = typing.get_args(tp)

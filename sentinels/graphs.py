@@ -15,8 +15,9 @@ What a graph needs, and what this module checks or arranges:
 
 Replays compute what the eager step computes, with the same kernels in the same order. The trainer zeroes the
 gradients in place between steps (GraphedLoss.zero_grads) instead of dropping them, so replayed backward passes
-accumulate into them. The per-layer statistics
-(NSALayerAttention.last_stats) are tensors written by the recorded forward, so each replay refreshes them in place.
+accumulate into them. The per-layer statistics (NSALayerAttention.last_stats) are tensors written by the recorded
+forward, so each replay refreshes them in place; an eager forward in between (an evaluation, a batch the graph
+cannot replay) binds new ones, so each replay binds the recorded ones again.
 The graphs keep their activations and workspaces in a private memory pool, recorded at the first micro-step.
 """
 
@@ -45,14 +46,19 @@ class _LossCall(nn.Module):
 
 class GraphedLoss:
     """The model's training loss (NSALanguageModel.forward with labels) through CUDA graphs, recorded at the first
-    call under `autocast` (a context factory: the trainer's bf16 autocast without its cache, or a null context)."""
+    call under `autocast` (a context factory: the trainer's bf16 autocast without its cache, or a null context).
+    A micro-batch the graph cannot replay runs eagerly, said once: as a warning, or at info level when `quiet`
+    (train.cuda_graphs auto, where the user did not ask for graphs)."""
 
-    def __init__(self, model: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]):
+    def __init__(self, model: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager],
+                 quiet: bool = False):
         self.model = model
         self.autocast = autocast
+        self.quiet = quiet
         self._call = _LossCall(model)
         self._graphed: nn.Module | None = None
         self._signature: tuple | None = None
+        self._stats: list[tuple[nn.Module, object]] = []  # each layer's statistics the recorded forward writes
         self._warned = False
 
     def zero_grads(self) -> None:
@@ -82,9 +88,10 @@ class GraphedLoss:
         signature = self.signature(inputs, labels)
         if not self.graphable(cu_seqlens, loss_mask) or (self._signature not in (None, signature)):
             if not self._warned:
-                log.warning("train.cuda_graphs: a micro-batch of another form (shapes %s, cu_seqlens %s, loss_mask "
-                            "%s) than the recorded one (%s) runs eagerly", signature[0][0], cu_seqlens is not None,
-                            loss_mask is not None, None if self._signature is None else self._signature[0][0])
+                say = log.info if self.quiet else log.warning
+                say("train.cuda_graphs: a micro-batch of another form (shapes %s, cu_seqlens %s, loss_mask %s) than "
+                    "the recorded one (%s) runs eagerly", signature[0][0], cu_seqlens is not None,
+                    loss_mask is not None, None if self._signature is None else self._signature[0][0])
                 self._warned = True
             with self.autocast():
                 return self.model(inputs, cu_seqlens, labels=labels, loss_mask=loss_mask)
@@ -94,4 +101,8 @@ class GraphedLoss:
                 self._graphed = torch.cuda.make_graphed_callables(self._call, (inputs, labels),
                                                                   allow_unused_input=True)
             self._signature = signature
-        return self._graphed(inputs, labels)
+            self._stats = [(m, m.last_stats) for m in self.model.modules() if hasattr(m, "last_stats")]
+        loss = self._graphed(inputs, labels)
+        for module, stats in self._stats:  # an eager forward since (an evaluation, a fallback batch) rebound them
+            module.last_stats = stats
+        return loss

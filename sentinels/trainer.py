@@ -316,13 +316,8 @@ class Trainer:
                               bf16=self.effective_precision == "bf16")
         self.sharded = cfg.train.parallel == "fsdp"  # the checkpoint format: sharded directories (also in one process)
         self.graphed_loss: GraphedLoss | None = None
-        if cfg.train.cuda_graphs:
-            if self.device.type != "cuda":
-                raise TrainerError(f"train.cuda_graphs needs a CUDA device; this run uses {self.device.type}")
-            if self.dist.active:
-                raise TrainerError(f"train.cuda_graphs runs in one process; this run has {self.dist.world_size} "
-                                   "ranks")
-            self.graphed_loss = GraphedLoss(self.model, self._autocast)
+        if self._uses_cuda_graphs():
+            self.graphed_loss = GraphedLoss(self.model, self._autocast, quiet=cfg.train.cuda_graphs == "auto")
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         t = cfg.train
@@ -652,9 +647,31 @@ class Trainer:
         return restore
 
     # -- the loop ---------------------------------------------------------------------------------
+    def _uses_cuda_graphs(self) -> bool:
+        """train.cuda_graphs resolved for this run: true is refused in one line where it cannot run (no CUDA device,
+        several ranks; the config refuses the rest); auto is on exactly where true would run, and says which."""
+        setting, t = self.cfg.train.cuda_graphs, self.cfg.train
+        if setting is True:
+            if self.device.type != "cuda":
+                raise TrainerError(f"train.cuda_graphs needs a CUDA device; this run uses {self.device.type}")
+            if self.dist.active:
+                raise TrainerError(f"train.cuda_graphs runs in one process; this run has {self.dist.world_size} "
+                                   "ranks")
+            return True
+        if setting is False:
+            return False
+        reasons = [why for off, why in ((self.device.type != "cuda", f"device {self.device.type}"),
+                                        (self.dist.active, f"{self.dist.world_size} ranks"),
+                                        (self.cfg.data.packing != "contiguous", f"data.packing {self.cfg.data.packing}"),
+                                        (t.activation_checkpointing, "activation checkpointing")) if off]
+        if self.device.type == "cuda":  # on CPU there is nothing to say
+            log.info("train.cuda_graphs auto: %s", f"off ({', '.join(reasons)})" if reasons else
+                     "on (each micro-step replayed from CUDA graphs; train.cuda_graphs: false keeps the eager step)")
+        return not reasons
+
     def _autocast(self):
         if self.effective_precision == "bf16":  # a CUDA graph must not keep autocast's cached casts
-            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self.cfg.train.cuda_graphs)
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=self.graphed_loss is None)
         return contextlib.nullcontext()
 
     def _zero_grads(self) -> None:

@@ -66,11 +66,22 @@ def test_unknown_key_is_named(tmp_path):
     ("train:\n  cuda_graphs: true\n  activation_checkpointing: true\n",
      r"train\.cuda_graphs: is not combined with train\.activation_checkpointing"),
     ("train:\n  cuda_graphs: true\ndata:\n  packing: varlen\n", r"train\.cuda_graphs: replays one batch shape"),
-    ("train:\n  cuda_graphs: 1\n", r"train\.cuda_graphs: must be true or false"),
+    ("train:\n  cuda_graphs: 1\n", r"train\.cuda_graphs: must be one of \['auto', true, false\], got 1$"),
+    ("train:\n  cuda_graphs: always\n", r"train\.cuda_graphs: must be one of \['auto', true, false\], got 'always'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError, match=key):
         load_config(_write(tmp_path, text))
+
+
+def test_cuda_graphs_default_to_auto_which_any_setup_accepts(tmp_path):
+    """auto is the default and is never refused: the trainer turns graphs on only where true would be accepted
+    (tests/test_sentinels_trainer.py, tests/gpu/test_train_cuda_graphs.py)."""
+    assert load_config(TINY).train.cuda_graphs == "auto"
+    for text in ("train:\n  device: cpu\n", "train:\n  activation_checkpointing: true\n",
+                 "data:\n  packing: varlen\n"):
+        assert load_config(_write(tmp_path, text)).train.cuda_graphs == "auto"
+    assert load_config(TINY, ["train.cuda_graphs=false"]).train.cuda_graphs is False
 
 
 def test_overrides_and_replace():

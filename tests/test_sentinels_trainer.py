@@ -485,6 +485,12 @@ def test_cli_debug_shows_the_traceback(tmp_path, capsys):
     assert "Traceback" in err and "TrainerError" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks auto on a machine without CUDA")
+def test_cuda_graphs_auto_is_off_without_a_cuda_device(tmp_path):
+    trainer = Trainer(_cfg(tmp_path / "run", "train.device=auto"), console=False)
+    assert trainer.cfg.train.cuda_graphs == "auto" and trainer.graphed_loss is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_graphs_without_a_cuda_device_is_refused_in_one_line(tmp_path):
     with pytest.raises(TrainerError, match=r"^train\.cuda_graphs needs a CUDA device; this run uses cpu$"):
