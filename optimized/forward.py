@@ -177,8 +177,7 @@ def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Ph
         o_slc, reads_slc = selected_branch(where, q, kv.slc.k, kv.slc.v, indices, cfg, positions,
                                            chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype,
                                            widen_kernel_output=False, docs=docs,
-                                           own_selection_from=(first_position if own_selection and docs is None
-                                                               else None))
+                                           own_selection_from=first_position if own_selection else None)
     o = eq5.gated_sum_kernel(gates, o_cmp, o_slc, o_win, compute=cd, dtype=q.dtype)  # Eq. 5 in one pass
     return _output(q, cfg, o, indices, (o_cmp, o_slc, o_win), (reads_cmp, reads_slc, reads_win))
 
@@ -208,7 +207,8 @@ def selected_branch(where: Route, q: Tensor, k: Tensor, v: Tensor, indices: Tens
     of a packed batch (indices are document-relative blocks). own_selection_from: the queries are one sequence's
     positions from this one to the last key, and `indices` are what the selection kernels computed for them, so
     the leading rows whose selection had no choice (every block up to their own) read one contiguous key run, which
-    the kernel path attends to with the range kernels (kernels/selected_attention.full_selection_ranges)."""
+    the kernel path attends to with the range kernels (kernels/selected_attention.full_selection_ranges); ignored
+    with docs (a packed batch gathers every row)."""
     compute = compute or where.compute
     if not where.selected:
         return selected_attention_rows(q, k, v, indices, cfg, positions, chunk_size=chunk_size, compute=compute,
