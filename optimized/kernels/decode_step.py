@@ -183,7 +183,8 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     scale = 1.0 / math.sqrt(dk)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    largest = rows * max(splits.cmp, -(-n_sel_blocks // SCORE_BLOCK), splits.lists, splits.slc + splits.win)
+    score_programs = -(-n_sel_blocks // SCORE_BLOCK)  # per row
+    largest = rows * max(splits.cmp, score_programs, splits.lists, splits.slc + splits.win)
     pdl = {"PDL": True, "launch_pdl": True} if uses_pdl(dev, largest) else {}
 
     out = StepOutput(o=torch.empty((B, 1, Hq, dv), dtype=q.dtype, device=dev),
@@ -214,7 +215,7 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
 
     # Eq. 8-10: every visible selection block's score
     scores = torch.empty((rows, n_sel_blocks), dtype=torch.float32, device=dev)
-    score_kernel[(rows, -(-n_sel_blocks // SCORE_BLOCK))](
+    score_kernel[(rows, score_programs)](
         lengths, n_new, logits, cmp_parts.m, cmp_parts.l, cmp_parts.reads, scores,
         n_cmp_slots, splits.cmp, n_sel_blocks,
         HKV=Hkv, GROUP=group, BLOCK_H=block_h,
