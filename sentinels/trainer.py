@@ -650,7 +650,7 @@ class Trainer:
     def _uses_cuda_graphs(self) -> bool:
         """train.cuda_graphs resolved for this run: true is refused in one line where it cannot run (no CUDA device,
         several ranks; the config refuses the rest); auto is on exactly where true would run, and says which."""
-        setting, t = self.cfg.train.cuda_graphs, self.cfg.train
+        setting, cfg = self.cfg.train.cuda_graphs, self.cfg
         if setting is True:
             if self.device.type != "cuda":
                 raise TrainerError(f"train.cuda_graphs needs a CUDA device; this run uses {self.device.type}")
@@ -662,8 +662,8 @@ class Trainer:
             return False
         reasons = [why for off, why in ((self.device.type != "cuda", f"device {self.device.type}"),
                                         (self.dist.active, f"{self.dist.world_size} ranks"),
-                                        (self.cfg.data.packing != "contiguous", f"data.packing {self.cfg.data.packing}"),
-                                        (t.activation_checkpointing, "activation checkpointing")) if off]
+                                        (cfg.data.packing != "contiguous", f"data.packing {cfg.data.packing}"),
+                                        (cfg.train.activation_checkpointing, "activation checkpointing")) if off]
         if self.device.type == "cuda":  # on CPU there is nothing to say
             log.info("train.cuda_graphs auto: %s", f"off ({', '.join(reasons)})" if reasons else
                      "on (each micro-step replayed from CUDA graphs; train.cuda_graphs: false keeps the eager step)")
