@@ -9,7 +9,8 @@ Why: a version of the lean step's gate kernel that unrolled 24-32 [16 x 128] fp3
 on an H100 (perf/NOTES.md); its sm_90 compile used 5-8 KB of stack per thread. The cases below
 are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
 l = 32, d = 16, l' = 64, n = 16) that matter for speed, and the prefill range kernels' launches (prefill_cases);
-`--require-no-spill` fails if any of them spills.
+`--require-no-spill` fails if any of them spills, beyond the few bytes one launch was measured fastest with (the
+paper layout's range dk/dv tile: 8 bytes, against a no-spill tile 8% slower; optimized/kernels/common.py).
 
     python -m perf.kernel_survey [--require-no-spill]
 """
@@ -39,6 +40,7 @@ class Case:
     constexprs: dict
     num_warps: int
     num_stages: int = 1
+    measured_stack: int = 0  # bytes of stack per thread a launch was measured fastest with (--require-no-spill's bound)
 
 
 def compile_sm90(case: Case):
@@ -113,7 +115,7 @@ def prefill_cases() -> list[Case]:
     """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
     (16 heads per KV group, d_k = d_v = 128) and prod-125m's (6 per group, d = 64): the group-scores kernel, the
     range forward, dq (consistent D) and dk/dv."""
-    from optimized.kernels.common import range_tiling
+    from optimized.kernels.common import packed_heads, range_tiling
     from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
     from optimized.kernels.selection import _group_scores_kernel
@@ -144,25 +146,22 @@ def prefill_cases() -> list[Case]:
                           pointers(_group_scores_kernel),
                           dict(GROUP=group, GROUP_PAD=group_pad, ROWS=rows, BLOCK_M=rows * group_pad,
                                BLOCK_N=t.block_n, LOGITS=False, **dims), t.num_warps, t.num_stages))
-        t, shape = tiles("forward")
-        cases.append(Case(f"prefill {layout} range forward {t.block_m}x{t.block_n}", _range_attention_fwd_kernel,
-                          pointers(_range_attention_fwd_kernel), dict(WITH_OUTPUT=True, **shape, **attn), t.num_warps,
-                          t.num_stages))
-        t, shape = tiles("dq")
-        cases.append(Case(f"prefill {layout} range dq {t.block_m}x{t.block_n}", _range_attention_dq_kernel,
-                          pointers(_range_attention_dq_kernel), dict(CONSISTENT_D=True, **shape, **attn),
-                          t.num_warps, t.num_stages))
-        t, shape = tiles("dkdv")
-        cases.append(Case(f"prefill {layout} range dk/dv {t.block_m}x{t.block_n}", _range_attention_dkdv_kernel,
-                          pointers(_range_attention_dkdv_kernel), dict(COMPENSATED=False, **shape, **attn),
-                          t.num_warps, t.num_stages))
+        for kind, kernel, flags in (("forward", _range_attention_fwd_kernel, dict(WITH_OUTPUT=True)),
+                                    ("dq", _range_attention_dq_kernel, dict(CONSISTENT_D=True)),
+                                    ("dk/dv", _range_attention_dkdv_kernel, dict(COMPENSATED=False))):
+            t, shape = tiles(kind.replace("/", ""))
+            heads = packed_heads(t, group)  # as the launches take it
+            measured = 8 if (kind, group, d) == ("dk/dv", 16, 128) else 0  # the table's comment has the timing
+            cases.append(Case(f"prefill {layout} range {kind} {t.block_m}x{t.block_n}, {heads} heads", kernel,
+                              pointers(kernel), dict(HEADS=heads, **flags, **shape, **attn), t.num_warps,
+                              t.num_stages, measured_stack=measured))
     return cases
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--require-no-spill", action="store_true",
-                        help="exit 1 if any case spills (uses stack)")
+                        help="exit 1 if any case spills (uses stack) beyond what its launch was measured with")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("perf.kernel_survey: unset TRITON_INTERPRET (the interpreter replaces triton.jit functions)",
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         usage = resources(compile_sm90(case))
         print(f"{case.name:45s} {case.num_warps} warps  {usage['registers']:3d} registers  "
               f"{usage['stack_bytes']:5d} B stack", flush=True)
-        if usage["stack_bytes"] > 0:
+        if usage["stack_bytes"] > case.measured_stack:
             spilled.append(case.name)
     if spilled and args.require_no_spill:
         print(f"spills: {spilled}", file=sys.stderr)

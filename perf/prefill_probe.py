@@ -13,7 +13,9 @@ d = 16, l' = 64, n = 16, w = 512), --batch sequences of --seq-len tokens:
 - `range`: range_attention_forward (o and lse2) over the compressed branch's ranges and over the window's, per
   tiling, with TFLOP/s on the useful keys and the largest |o - o(default tiling)|;
 - `backward`: range_attention_backward over both branches' ranges with FlashAttention-2's D0 = rowsum(dO * O)
-  (an earlier half-precision default) or the dq pass's consistent D, other dq tilings and other dk/dv tilings.
+  (an earlier half-precision default) or the dq pass's consistent D, other dq tilings and other dk/dv tilings;
+- `heads`: the same backward with dk/dv steps, or dq programs, that take several heads of the KV group at once
+  (RangeTiling.heads), against the default tilings.
 
     python -m perf.prefill_probe [--seq-len 65536] [--layout prod-125m --batch 8]   # on a GPU; writes
                                                                                      # prefill_probe.json
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import astuple
 
 import torch
 
@@ -44,12 +47,14 @@ LAYOUTS = {"paper": NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128),
 CFG = LAYOUTS["paper"]  # the layout the probes use (main sets --layout's)
 SCORE_TILINGS = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2))
 RANGE_TILINGS = ((64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3),
-                 (128, 128, 8, 2), (64, 128, 4, 2))
+                 (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2, 16), (128, 64, 8, 2, 16), (128, 32, 8, 2, 16),
+                 (64, 64, 4, 2, 16), (128, 128, 8, 2, 16), (64, 64, 4, 3, 16))
 BUDGETS_MIB = (24, 64, 128, 256)
 
 
-def _tiling(shape: tuple[int, int, int, int]) -> RangeTiling:
-    return RangeTiling(block_m=shape[0], block_n=shape[1], num_warps=shape[2], num_stages=shape[3])
+def _tiling(shape: tuple[int, ...]) -> RangeTiling:
+    """(block_m, block_n, warps, stages[, heads]) as a RangeTiling."""
+    return RangeTiling(*shape)
 
 
 def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
@@ -168,7 +173,27 @@ BACKWARD_VARIANTS = ((False, DQ_TILINGS[0], DKDV_TILINGS[0]),
                      *((True, dq, DKDV_TILINGS[0]) for dq in DQ_TILINGS[1:]))
 
 
-def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
+# dk/dv tilings whose steps take several heads of the group at once (RangeTiling.heads; block_m then counts (row,
+# head) columns), against the default dk/dv tiling, with the default dq tiling and the consistent D
+HEADS_DKDV_TILINGS = ((32, 64, 4, 3, 16), (16, 64, 4, 3, 16), (32, 64, 8, 3, 16), (32, 64, 8, 2, 16),
+                      (32, 32, 4, 3, 16), (64, 64, 4, 2, 16), (128, 128, 8, 2, 16))
+# dq tilings whose programs take several heads of the group (with the default dk/dv tiling)
+HEADS_DQ_TILINGS = ((64, 32, 4, 2, 16), (128, 32, 8, 2, 16), (64, 64, 4, 2, 16), (32, 32, 4, 2, 16),
+                    (128, 64, 8, 2, 16))
+
+
+def probe_heads(x: dict, scale: float, rep_ms: int) -> list[dict]:
+    widths, dtype = (padded(CFG.head_dim_qk), padded(CFG.head_dim_v)), x["q"].dtype
+    dq_default = astuple(range_tiling(*widths, dtype, "dq"))
+    dkdv_default = astuple(range_tiling(*widths, dtype, "dkdv"))
+    variants = [(True, dq_default, shape) for shape in (dkdv_default, *HEADS_DKDV_TILINGS)]
+    variants += [(True, shape, dkdv_default) for shape in HEADS_DQ_TILINGS]
+    return probe_backward(x, scale, rep_ms, variants)
+
+
+def probe_backward(x: dict, scale: float, rep_ms: int, variants: tuple | list | None = None) -> list[dict]:
+    """range_attention_backward under each (consistent D, dq tiling, dk/dv tiling) of variants (default
+    BACKWARD_VARIANTS), both branches."""
     q = x["q"]
     g = torch.Generator(device=q.device).manual_seed(1)
     do = torch.randn(q.shape[:3] + (CFG.head_dim_v,), generator=g, device=q.device).to(q.dtype)
@@ -181,7 +206,7 @@ def probe_backward(x: dict, scale: float, rep_ms: int) -> list[dict]:
         o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
         flops = ATTENTION_BWD_FACTOR * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v, q.shape[0])
         reference = None
-        for consistent, dq_shape, dkdv_shape in BACKWARD_VARIANTS:
+        for consistent, dq_shape, dkdv_shape in variants or BACKWARD_VARIANTS:
             dq_tiling, dkdv_tiling = _tiling(dq_shape), _tiling(dkdv_shape)
 
             def run():
@@ -214,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     probes = {"scores": lambda: probe_scores(x, args.score_rows, scale, args.rep_ms),
               "selection": lambda: probe_selection(x, args.rep_ms),
               "range": lambda: probe_range(x, scale, args.rep_ms),
-              "backward": lambda: probe_backward(x, scale, args.rep_ms)}
+              "backward": lambda: probe_backward(x, scale, args.rep_ms),
+              "heads": lambda: probe_heads(x, scale, args.rep_ms)}
     results = printed_rows(row for name in args.probes.split(",") for row in probes[name]())
     write_probe_report(args.out, "prefill_probe",
                        f"{probe_timing(args.rep_ms, args.layout, args.batch, args.seq_len)}, "

@@ -38,7 +38,8 @@ def test_prefill_probe_variants_agree(monkeypatch):
     """perf/prefill_probe.py in the interpreter (fp32, T = 512, 8 q heads in 2 groups, d = 16): every
     scoring-chunk budget gives the default budget's indices with a different number of chunks, and the other
     tilings of the group-scores and range-attention kernels compute the default tiling's values (up to the fp32
-    summation order), as do the backward's D variants (fp32 inputs: D0 and the consistent D agree closely)."""
+    summation order), as do the backward's D variants (fp32 inputs: D0 and the consistent D agree closely) and its
+    dk/dv steps and its dq and forward programs over several heads at once."""
     from perf import prefill_probe
     from reference.config import NSAConfig
 
@@ -47,7 +48,7 @@ def test_prefill_probe_variants_agree(monkeypatch):
     monkeypatch.setattr(prefill_probe, "bench_ms", lambda fn, rep_ms: 1.0)
     monkeypatch.setattr(prefill_probe, "BUDGETS_MIB", (24, 1 / 64, 1 / 256))
     monkeypatch.setattr(prefill_probe, "SCORE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
-    monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1)))
+    monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1), (32, 16, 4, 1, 4)))
     monkeypatch.setattr(prefill_probe, "BACKWARD_VARIANTS", (
         (False, (16, 16, 4, 1), (16, 16, 4, 1)), (True, (16, 16, 4, 1), (16, 16, 4, 1)),
         (True, (16, 16, 4, 1), (16, 32, 4, 1)), (True, (32, 16, 4, 1), (16, 16, 4, 1))))
@@ -64,6 +65,11 @@ def test_prefill_probe_variants_agree(monkeypatch):
     backward = prefill_probe.probe_backward(x, scale, rep_ms=1)
     assert len(backward) == 2 * len(prefill_probe.BACKWARD_VARIANTS)
     assert max(row["max_abs_grad_diff_vs_first"] for row in backward) < 1e-5
+    monkeypatch.setattr(prefill_probe, "HEADS_DKDV_TILINGS", ((16, 16, 4, 1, 4), (32, 16, 4, 1, 2)))
+    monkeypatch.setattr(prefill_probe, "HEADS_DQ_TILINGS", ((32, 16, 4, 1, 4),))
+    heads = prefill_probe.probe_heads(x, scale, rep_ms=1)
+    assert [(row["dq_tiling"][4], row["dkdv_tiling"][4]) for row in heads] == [(1, 1), (1, 4), (1, 2), (4, 1)] * 2
+    assert max(row["max_abs_grad_diff_vs_first"] for row in heads) < 1e-5
 
 
 def test_prefill_probe_layouts_and_batch(monkeypatch):

@@ -24,4 +24,6 @@ def test_lean_decode_kernels_compile_for_sm90_without_spills():
     assert len(rows) == 7 and all(line.endswith("    0 B stack") for line in rows), run.stdout
     prefill = [line for line in run.stdout.splitlines() if line.startswith("prefill")]
     assert len(prefill) == 8, run.stdout
-    assert all(line.endswith("    0 B stack") for line in prefill), run.stdout
+    spilling = [line for line in prefill if not line.endswith("    0 B stack")]
+    # the one launch measured fastest with a small spill (optimized/kernels/common.py's range table)
+    assert all("G=16 d=128 range dk/dv" in line and line.endswith("    8 B stack") for line in spilling), run.stdout

@@ -232,31 +232,50 @@ def launch_with_fallback(launch: Callable[[L], T], tiling: L, candidates: list[L
 
 @dataclass(frozen=True)
 class RangeTiling:
-    """Range-attention launch: query rows per tile (block_m), key rows per tile (block_n), warps, stages."""
+    """Range-attention launch: query rows per tile (block_m), key rows per tile (block_n), warps, stages. For the
+    dk/dv kernel, block_m counts the (query row, head) columns of a step and heads says how many of the KV group's
+    heads a step takes at once: block_m // heads rows x heads heads, the group's heads padded to a power of two
+    and masked past the group. A group that pads to fewer than `heads` heads takes one head per step (the launch
+    measured for it). The forward and dq kernels take the same (query row, head) tiles per program: block_m //
+    heads rows x heads heads (common.head_packed_rows)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    heads: int = 1
 
     def __post_init__(self) -> None:
         Tiling(self.block_n, self.num_warps, self.num_stages)  # same rules for the shared fields
         if self.block_m < MIN_DOT or self.block_m & (self.block_m - 1):
             raise ValueError(f"RangeTiling.block_m must be a power of two >= {MIN_DOT}, got {self.block_m}")
+        if self.heads < 1 or self.heads & (self.heads - 1) or self.heads > self.block_m:
+            raise ValueError(f"RangeTiling.heads must be a power of two from 1 to block_m = {self.block_m}, "
+                             f"got {self.heads}")
 
 
-RANGE_KINDS = ("forward", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
+RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 
 
 # (largest BLOCK_DK + BLOCK_DV, (block_m, block_n, num_warps, num_stages)) per kernel, half precision: the widest
 # tiles that compile for sm_90 without spilling, or with the least (cuobjdump -res-usage of triton.compile for
 # GPUTarget("cuda", 90, 32); perf.kernel_survey checks them), and among those the fastest measured (perf/NOTES.md).
-# dk/dv: block_m = query rows per step, block_n = key rows per program; 4 warps with three stages measured fastest
-# at d = 64 and d = 128 (perf.prefill_probe's backward), neither spilling.
+# dk/dv: block_m = (query row, head) columns per step, block_n = key rows per program; 4 warps with three stages
+# measured fastest at d = 64 and d = 128 (perf.prefill_probe's backward).
+# Heads (the 5th field, RangeTiling.heads): at d = 128 with the paper's group of 16, tiles of (query row, head) rows
+# of the whole group beat one-head tiles in every range kernel at 64k tokens (forward -11%, dq -6%, dk/dv -12%; at
+# 8k -2%, -1% and -11%; perf.prefill_probe --probes heads,range; perf/NOTES.md). The dk/dv tile spills 8 bytes and
+# is still the fastest measured (the no-spill 16 x 64 one took 8% longer). A group that pads to fewer heads keeps one
+# head per program with the same tile sizes. At d = 64 (prod-125m's group of 6, padded to 8) one head per step stayed
+# fastest for dk/dv; the other kernels were not measured with heads there.
+# "lse": the forward kernel's lse-only pass (the selection's normaliser where the compressed branch did not run)
+# keeps the forward's earlier tiles: with the head-packed tile, the 64k select stage (`python -m perf run`), which
+# runs that pass, took 2 ms longer.
 _RANGE_TABLE = {
-    "forward": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
-    "dq": ((128, (64, 32, 4, 2)), (256, (64, 32, 4, 2)), (384, (32, 32, 8, 2)), (512, (32, 32, 8, 2))),
-    "dkdv": ((128, (32, 64, 4, 3)), (256, (16, 64, 4, 3)), (384, (64, 32, 8, 2)), (512, (32, 16, 8, 2))),
+    "forward": ((128, (128, 64, 8, 2)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
+    "lse": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
+    "dq": ((128, (64, 32, 4, 2)), (256, (128, 64, 8, 2, 16)), (384, (32, 32, 8, 2)), (512, (32, 32, 8, 2))),
+    "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (64, 32, 8, 2)), (512, (32, 16, 8, 2))),
     "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (64, 32, 8, 2))),
 }
 
@@ -274,27 +293,54 @@ def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) ->
         return RangeTiling(block_m=64, block_n=32 if width <= 128 else 16, num_warps=4 if width <= 64 else 8,
                            num_stages=1)
     total = block_dk + block_dv
-    block_m, block_n, warps, stages = next(tile for limit, tile in _RANGE_TABLE[kind] if total <= limit)
-    return RangeTiling(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+    return RangeTiling(*next(tile for limit, tile in _RANGE_TABLE[kind] if total <= limit))
 
 
 def smaller_range_tilings(tiling: RangeTiling) -> list[RangeTiling]:
     """The given tiling, then fewer stages, then fewer query rows, then fewer key rows (down to 16 each)."""
     out = [tiling]
     for stages in range(tiling.num_stages - 1, 0, -1):
-        out.append(RangeTiling(tiling.block_m, tiling.block_n, tiling.num_warps, stages))
+        out.append(RangeTiling(tiling.block_m, tiling.block_n, tiling.num_warps, stages, tiling.heads))
     block_m = tiling.block_m // 2
     while block_m >= MIN_DOT:
-        out.append(RangeTiling(block_m, tiling.block_n, tiling.num_warps, 1))
+        out.append(RangeTiling(block_m, tiling.block_n, tiling.num_warps, 1, min(tiling.heads, block_m)))
         block_m //= 2
     block_n = tiling.block_n // 2
     while block_n >= MIN_DOT:
-        out.append(RangeTiling(MIN_DOT, block_n, tiling.num_warps, 1))
+        out.append(RangeTiling(MIN_DOT, block_n, tiling.num_warps, 1, min(tiling.heads, MIN_DOT)))
         block_n //= 2
     return out
 
 
 # @triton.jit helpers called by several kernels ----------------------------------------------------------------
+
+@triton.jit
+def head_packed_rows(n_queries, GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The (query row, head) rows of a query-centric range-attention program on grid (row tile, KV head x head
+    part, batch): BLOCK_M // HEADS consecutive query rows x HEADS heads of one KV group (row r of the tile is query
+    r // HEADS, head r % HEADS of the part), so one key tile serves every head of the part. Returns (query rows
+    int64, query heads int64, valid, KV head int64); with HEADS = 1 a program is BLOCK_M rows of one head."""
+    parts = (GROUP + HEADS - 1) // HEADS
+    kvh = (tl.program_id(1) // parts).to(tl.int64)
+    first_head = (tl.program_id(1) % parts) * HEADS
+    offs = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0).to(tl.int64) * (BLOCK_M // HEADS) + offs // HEADS
+    in_group = first_head + offs % HEADS
+    valid = (rows < n_queries) & (in_group < GROUP)
+    return rows, kvh * GROUP + in_group, valid, kvh
+
+
+def head_parts(group: int, heads: int) -> int:
+    """The programs per KV group on head_packed_rows' grid axis 1 with `heads` heads per program (packed_heads):
+    ceil(group / heads)."""
+    return -(-group // heads)
+
+
+def packed_heads(tiling: "RangeTiling", group: int) -> int:
+    """The heads per program (or dk/dv step) a range-attention launch takes: the tiling's, where the group pads to
+    at least that many heads, else 1 (RangeTiling)."""
+    return tiling.heads if tiling.heads <= triton.next_power_of_2(group) else 1
+
 
 @triton.jit
 def key_tile_span(LO, HI, rows, valid, n_keys, BLOCK_N: tl.constexpr):

@@ -7,7 +7,9 @@ convention seams):
 - the compressed branch (Eq. 7-8): row p reads the compressed tokens [first of its document, + N_visible(p) - 1].
 A row whose range is empty (hi < lo) outputs 0 and has lse = -inf (the empty compressed set of Eq. 7).
 
-Forward grid (query tile of BLOCK_M rows, query head, batch), FlashAttention-2 style: the program loads its q tile
+Forward grid (query tile, KV head x head part, batch), FlashAttention-2 style: a program's BLOCK_M tile rows are
+(query row, head) pairs, BLOCK_M // HEADS consecutive query rows x HEADS heads of one KV group (common.head_packed_rows;
+HEADS = 1: BLOCK_M rows of one head), so each key tile it loads serves every head of the tile. It loads its q tile
 once, walks the key tiles covering the union of its rows' ranges (tile starts aligned to multiples of BLOCK_N, so a
 row's arithmetic does not depend on which rows share its program), masks each element by its row's range, and
 keeps an online softmax in fp32 (base 2). GQA: head h reads KV head h // GROUP.
@@ -38,8 +40,9 @@ from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from ..documents import Documents
 from ..numerics import LN2, LOG2E
-from .common import (INDEX_DTYPES, RangeTiling, dot_settings, interpreting, key_tile_logits, key_tile_span,
-                     launch_with_fallback, padded, range_tiling, smaller_range_tilings)
+from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_packed_rows, head_parts, interpreting,
+                     key_tile_logits, key_tile_span, launch_with_fallback, packed_heads, padded, range_tiling,
+                     smaller_range_tilings)
 from .range_attention_bwd import range_attention_backward
 
 
@@ -54,26 +57,22 @@ def _range_attention_fwd_kernel(
     n_queries, n_keys, scale_log2,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    WITH_OUTPUT: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HEADS: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    # 64-bit offsets everywhere (T >= 64k, Hq * d large).
-    pid_m = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    # 64-bit offsets everywhere (T >= 64k, Hq * d large). Tile rows are (query row, head) pairs of one KV group.
+    offs_m, h, row_mask, kvh = head_packed_rows(n_queries, GROUP, HEADS, BLOCK_M)
     b = tl.program_id(2).to(tl.int64)
-    kvh = h // GROUP
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_mask = offs_m < n_queries
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
 
     # ranges and key indices in int32 (keys < 2^31; masks stay cheap in registers), pointer offsets in int64
     lo, hi, start, last = key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
-    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
+    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk[None, :],
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -109,7 +108,7 @@ def _range_attention_fwd_kernel(
     tl.store(LSE2 + b * stride_lb + offs_m * stride_lt + h, lse2, mask=row_mask)
     if WITH_OUTPUT:
         out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-        tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+        tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :],
                  out.to(O.dtype.element_ty), mask=row_mask[:, None] & dv_mask[None, :])
 
 
@@ -133,7 +132,8 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
     vv, oo = (v, o) if with_output else (k, lse2)  # placeholders the kernel never touches without output
 
     def launch(t: RangeTiling) -> None:
-        grid = (triton.cdiv(TQ, t.block_m), Hq, B)
+        heads = packed_heads(t, Hq // Hkv)
+        grid = (triton.cdiv(TQ, t.block_m // heads), Hkv * head_parts(Hq // Hkv, heads), B)
         _range_attention_fwd_kernel[grid](
             q, k, vv, lo, hi, oo, lse2,
             q.stride(0), q.stride(1), q.stride(2),
@@ -143,11 +143,11 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
             lse2.stride(0), lse2.stride(1),
             TQ, TK, scale * LOG2E,
             GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), WITH_OUTPUT=with_output, DOT_FP32=dot_fp32,
+            BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), HEADS=heads, WITH_OUTPUT=with_output, DOT_FP32=dot_fp32,
             INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    first = tiling or range_tiling(padded(dk), padded(dv), q.dtype, "forward")
+    first = tiling or range_tiling(padded(dk), padded(dv), q.dtype, "forward" if with_output else "lse")
     launch_with_fallback(launch, first, smaller_range_tilings(first))
     return o, lse2
 

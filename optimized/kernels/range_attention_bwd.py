@@ -4,9 +4,11 @@ With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D, one
 range_attention_delta), the probabilities are rebuilt as
 P = 2^(s * scale * log2(e) - lse2) inside each row's range (exactly 0 outside it, so an empty row sends nothing
 back), dP = dO V^T, dS = P * (dP - delta), and
-- dq: one program per (query tile, head) walks the key tiles of its rows' ranges (as the forward): dq = dS K;
-- dk/dv: one program per (key tile, KV head) walks every head of its group and the query tiles whose ranges can
-  reach the tile: dv = P^T dO, dk = dS^T q. Ranges are non-decreasing in the row (checked by the wrapper), so
+- dq: one program per tile of (query row, head) rows, as the forward's, walks the key tiles of its rows' ranges:
+  dq = dS K;
+- dk/dv: one program per (key tile, KV head) walks every head of its group and the query rows whose ranges can
+  reach the tile, a step of (query row, head) columns at a time (HEADS heads of the group per step):
+  dv = P^T dO, dk = dS^T q. Ranges are non-decreasing in the row (checked by the wrapper), so
   the rows reading a key tile [k0, k1] are the contiguous run first(hi >= k0) .. last(lo <= k1), found once per
   tile by searchsorted. Each key's gradient is summed by one program in a fixed order: no atomics.
   fp32 inputs (COMPENSATED): the exact fp32 dots are sequential FMA chains, and `acc += dot(a, b)` would fuse the
@@ -31,8 +33,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..numerics import LOG2E
-from .common import (RangeTiling, compensated_add, dot_settings, key_tile_span, launch_with_fallback, padded,
-                     range_tiling, row_pass_shape, row_view, smaller_range_tilings)
+from .common import (RangeTiling, compensated_add, dot_settings, head_packed_rows, head_parts, key_tile_span,
+                     launch_with_fallback, packed_heads, padded, range_tiling, row_pass_shape, row_view,
+                     smaller_range_tilings)
 
 
 @triton.jit
@@ -47,27 +50,24 @@ def _range_attention_dq_kernel(
     n_queries, n_keys, scale_log2, scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, CONSISTENT_D: tl.constexpr,
+    HEADS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, CONSISTENT_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    # tile rows are (query row, head) pairs of one KV group, as in the forward
+    offs_m, h, row_mask, kvh = head_packed_rows(n_queries, GROUP, HEADS, BLOCK_M)
     b = tl.program_id(2).to(tl.int64)
-    kvh = h // GROUP
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_mask = offs_m < n_queries
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
 
     # int32 ranges and keys, int64 pointer offsets; the same key tiles as the forward
     lo, hi, start, last = key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
-    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
+    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk[None, :],
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
-    do = tl.load(DO + b * stride_dob + offs_m[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
+    do = tl.load(DO + b * stride_dob + offs_m[:, None] * stride_dot + h[:, None] * stride_doh + offs_dv[None, :],
                  mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
     lse2 = tl.load(LSE2 + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
     delta = tl.load(DELTA + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
@@ -115,7 +115,7 @@ def _range_attention_dq_kernel(
         dq = dq - (d_row - delta)[:, None] * pk
         tl.store(DELTA + b * stride_lb + offs_m * stride_lt + h, d_row, mask=row_mask)
     dq = dq * scale
-    tl.store(DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_dk[None, :],
+    tl.store(DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h[:, None] * stride_dqh + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_mask[:, None] & dk_mask[None, :])
 
 
@@ -132,17 +132,23 @@ def _range_attention_dkdv_kernel(
     n_queries, n_keys, scale_log2, scale, n_split,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
+    HEADS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
 ):
     # program (key tile, KV head x split part, batch): part `split` of the key tile's reading rows, written to
-    # slot `split` of DKEY/DVAL (the fp32 workspace when n_split > 1, summed by the wrapper in a fixed order)
+    # slot `split` of DKEY/DVAL (the fp32 workspace when n_split > 1, summed by the wrapper in a fixed order).
+    # A step takes BLOCK_M (query row, head) columns: BLOCK_M // HEADS consecutive rows x HEADS heads of the group
+    # (column c is row c // HEADS, head c % HEADS of the step's heads), so with HEADS > 1 one step's dots are
+    # [BLOCK_N, BLOCK_M] wide for every head at once instead of one head's few rows.
     pid_n = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64) // n_split
     split = tl.program_id(1) % n_split
     b = tl.program_id(2).to(tl.int64)
 
     keys = pid_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 indices, int64 pointer offsets
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_c = tl.arange(0, BLOCK_M)
+    col_row = offs_c // HEADS
+    col_head = offs_c % HEADS
+    ROWS = BLOCK_M // HEADS
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_ok = keys < n_keys
@@ -159,29 +165,30 @@ def _range_attention_dkdv_kernel(
         v = v.to(tl.float32)
     q_first = tl.load(QFIRST + pid_n)
     q_last = tl.load(QLAST + pid_n)
-    aligned = (q_first // BLOCK_M) * BLOCK_M
-    tiles_per_part = tl.cdiv(tl.cdiv(tl.maximum(q_last + 1 - aligned, 0), BLOCK_M), n_split)
-    m_start = aligned + split * tiles_per_part * BLOCK_M
-    m_stop = tl.minimum(q_last + 1, m_start + tiles_per_part * BLOCK_M)
+    aligned = (q_first // ROWS) * ROWS
+    steps_per_part = tl.cdiv(tl.cdiv(tl.maximum(q_last + 1 - aligned, 0), ROWS), n_split)
+    m_start = aligned + split * steps_per_part * ROWS
+    m_stop = tl.minimum(q_last + 1, m_start + steps_per_part * ROWS)
 
     dkey = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dval = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dkey_comp = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dval_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    for g in range(GROUP):
-        h = kvh * GROUP + g
-        for start_m in range(m_start, m_stop, BLOCK_M):
-            rows = start_m + offs_m
-            row_mask = rows < n_queries
+    for g0 in range(0, GROUP, HEADS):
+        head_ok = g0 + col_head < GROUP
+        heads64 = (kvh * GROUP + g0 + col_head).to(tl.int64)
+        for start_m in range(m_start, m_stop, ROWS):
+            rows = start_m + col_row
+            col_ok = (rows < n_queries) & head_ok
             rows64 = rows.to(tl.int64)
-            lo = tl.load(LO + rows64, mask=row_mask, other=0)
-            hi = tl.load(HI + rows64, mask=row_mask, other=-1)
-            q = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
-                        mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
-            do = tl.load(DO + b * stride_dob + rows64[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
-                         mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
-            lse2 = tl.load(LSE2 + b * stride_lb + rows64 * stride_lt + h, mask=row_mask, other=0.0)
-            delta = tl.load(DELTA + b * stride_lb + rows64 * stride_lt + h, mask=row_mask, other=0.0)
+            lo = tl.load(LO + rows64, mask=col_ok, other=0)
+            hi = tl.load(HI + rows64, mask=col_ok, other=-1)
+            q = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh
+                        + offs_dk[None, :], mask=col_ok[:, None] & dk_mask[None, :], other=0.0)
+            do = tl.load(DO + b * stride_dob + rows64[:, None] * stride_dot + heads64[:, None] * stride_doh
+                         + offs_dv[None, :], mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
+            lse2 = tl.load(LSE2 + b * stride_lb + rows64 * stride_lt + heads64, mask=col_ok, other=0.0)
+            delta = tl.load(DELTA + b * stride_lb + rows64 * stride_lt + heads64, mask=col_ok, other=0.0)
             if DOT_FP32:
                 sT = tl.dot(k, tl.trans(q.to(tl.float32)), input_precision=INPUT_PRECISION)
                 dpT = tl.dot(v, tl.trans(do.to(tl.float32)), input_precision=INPUT_PRECISION)
@@ -289,9 +296,12 @@ def range_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi:
     common, strides = _launch_arguments(q, k, v, do, lse2)
 
     def launch_dq(t: RangeTiling) -> None:
-        _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m), Hq, B)](
+        group = Hq // k.shape[2]
+        heads = packed_heads(t, group)
+        _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m // heads), k.shape[2] * head_parts(group, heads), B)](
             q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CONSISTENT_D=consistent_d,
+            TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEADS=heads,
+            CONSISTENT_D=consistent_d,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
 
     first = tiling or range_tiling(padded(dk), padded(v.shape[-1]), q.dtype, "dq")
@@ -323,7 +333,8 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     def launch_dkdv(t: RangeTiling) -> tuple[Tensor, Tensor]:
         q_first, q_last = reading_rows(lo, hi, TK, t.block_n)
         n_tiles = triton.cdiv(TK, t.block_n)
-        parts = split or dkdv_split(n_tiles, Hkv, B, TQ, t.block_m)
+        heads = packed_heads(t, Hq // Hkv)  # the group's heads a step takes
+        parts = split or dkdv_split(n_tiles, Hkv, B, TQ, t.block_m // heads)
         if parts == 1:
             out_k, out_v = dkey[None], dval[None]
         else:
@@ -332,7 +343,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         _range_attention_dkdv_kernel[(n_tiles, Hkv * parts, B)](
             q, k, v, lo, hi, do, lse2, delta, out_k, out_v, q_first, q_last, *strides,
             *out_k.stride()[:4], *out_v.stride()[:4],
-            TQ, TK, scale * LOG2E, scale, parts, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            TQ, TK, scale * LOG2E, scale, parts, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEADS=heads,
             COMPENSATED=q.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages, **common)
         return out_k, out_v
 

@@ -21,6 +21,7 @@ from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention
 from optimized.kernels.range_attention_bwd import range_attention_backward, range_attention_delta, reading_rows
+from optimized.kernels.common import RangeTiling
 from optimized.kernels.range_attention import compressed_ranges, range_attention_forward, range_reads, window_ranges
 from reference.config import NSAConfig
 from reference.packing import cu_seqlens_of
@@ -326,3 +327,42 @@ def test_dkdv_split_over_rows_matches_the_oracle(split: int, consistent_d: bool,
         assert torch.isfinite(got).all(), label
         assert torch.equal(got, again), f"{label} differs between two identical runs"
         assert rel_error(got, ref) < 1e-5, label
+
+
+@pytest.mark.parametrize("layout, heads, split", [("compressed-packed", 2, 1), ("compressed-packed", 4, 3),
+                                                  ("window", 4, 1), ("window-packed", 16, 2)])
+def test_heads_packed_in_a_step_match_the_oracle(layout: str, heads: int, split: int,
+                                                 poisoned_empty: None) -> None:
+    """dk/dv steps over (query row, head) columns of several heads of the group at once (RangeTiling.heads: 2
+    takes a group of 3 heads in two passes, the second with one padded head; 4 takes it in one, with the padded
+    head masked; 16, more than the group pads to, falls back to one head per step): the gradients of the dense
+    oracle, deterministic, every key written. The forward and dq kernels with (query row, head) tiles of the same
+    heads compute what their one-head tiles do (up to fp32 summation order)."""
+    lo, hi, n_keys = ranges_of(layout, 45)
+    lo32, hi32 = lo.to(torch.int32).to(DEVICE), hi.to(torch.int32).to(DEVICE)
+    q, k, v = random_inputs(1, 45, n_keys, 6, 2, 12, 8, seed=11)
+    o, lse2 = range_attention_forward(q, k, v, lo32, hi32, 0.25)
+    do = torch.randn_like(o)
+    tiling = RangeTiling(block_m=16, block_n=16, num_warps=4, num_stages=1, heads=heads)
+    runs = [range_attention_backward(q, k, v, lo32, hi32, o, lse2, do, 0.25, dkdv_tiling=tiling, split=split)
+            for _ in range(2)]
+    packed_o, packed_lse2 = range_attention_forward(q, k, v, lo32, hi32, 0.25, tiling=tiling)
+    assert torch.allclose(packed_o, o, rtol=1e-5, atol=1e-6) and torch.equal(packed_lse2.isneginf(), lse2.isneginf())
+    assert torch.allclose(packed_lse2, lse2, rtol=1e-6, atol=1e-6)
+    packed = range_attention_backward(q, k, v, lo32, hi32, o, lse2, do, 0.25, dq_tiling=tiling, dkdv_tiling=tiling,
+                                      split=split)
+    assert torch.equal(packed[0].isnan(), runs[0][0].isnan())
+    assert torch.allclose(packed[0], runs[0][0], rtol=1e-5, atol=1e-6), "dq with heads packed in its programs"
+    leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    exact = torch.autograd.grad(range_attention_naive(*leaves, lo, hi, scale=0.25)[0], leaves, do.double())
+    for label, got, again, ref in zip(("dq", "dk", "dv"), *runs, exact):
+        assert torch.isfinite(got).all(), label
+        assert torch.equal(got, again), f"{label} differs between two identical runs"
+        assert rel_error(got, ref) < 1e-5, label
+
+
+def test_range_tiling_heads_must_fit_the_step() -> None:
+    with pytest.raises(ValueError, match="RangeTiling.heads must be a power of two"):
+        RangeTiling(block_m=16, block_n=16, num_warps=4, num_stages=1, heads=3)
+    with pytest.raises(ValueError, match="RangeTiling.heads must be a power of two"):
+        RangeTiling(block_m=16, block_n=16, num_warps=4, num_stages=1, heads=32)
