@@ -293,7 +293,8 @@ def add_train_parsers(sub) -> None:
     train.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     train.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m", "paper"),
                        help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m,paper; tiny is the CPU variant)")
-    train.add_argument("--models", type=_names(MODELS, "--models"), default=MODELS, help="nsa, dense or both")
+    train.add_argument("--models", type=_names(MODELS, "--models"), default=MODELS,
+                       help="comma list of nsa, dense (default both: nsa,dense)")
     train.add_argument("--seq-lens", type=parse_seq_lens, default=DEFAULT_SEQ_LENS,
                        help="comma list (default 2k,8k,16k,32k,64k)")
     train.add_argument("--tokens-per-step", type=_positive_int, default=65536,
@@ -323,7 +324,7 @@ def add_train_parsers(sub) -> None:
     prof.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m",),
                       help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m)")
     prof.add_argument("--models", type=_names(MODELS, "--models"), default=("nsa",),
-                      help="nsa (default), dense or both")
+                      help="comma list of nsa, dense (default nsa; nsa,dense profiles both)")
     prof.add_argument("--seq-len", type=_positive_int, default=16384, help="default 16k")
     prof.add_argument("--tokens-per-step", type=_positive_int, default=65536, help="default 64k, as `perf train`")
     prof.add_argument("--micro-batch-tokens", dest="micro_tokens", type=_positive_int, default=16384,
