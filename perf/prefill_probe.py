@@ -28,6 +28,7 @@ import math
 from dataclasses import astuple
 
 import torch
+import triton
 
 from optimized import masks
 from optimized.kernels import selection
@@ -53,7 +54,10 @@ BUDGETS_MIB = (24, 64, 128, 256)
 
 
 def _tiling(shape: tuple[int, ...]) -> RangeTiling:
-    """(block_m, block_n, warps, stages[, heads]) as a RangeTiling."""
+    """(block_m, block_n, warps, stages[, heads]) as a RangeTiling, heads capped at the layout's KV group padded to
+    a power of two (so 16 heads means the whole group of either layout); rows record the tiling as launched."""
+    if len(shape) == 5:
+        shape = (*shape[:4], min(shape[4], triton.next_power_of_2(CFG.n_heads // CFG.n_kv_heads)))
     return RangeTiling(*shape)
 
 
@@ -153,7 +157,7 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
             t = _tiling(shape)
             o = range_attention_forward(q, k, v, lo, hi, scale, tiling=t)[0]
             ms = bench_ms(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t), rep_ms)
-            out.append({"probe": "range", "branch": branch, "tiling": list(shape), "default": t == default,
+            out.append({"probe": "range", "branch": branch, "tiling": list(astuple(t)), "default": t == default,
                         "ms": ms, "tflops": flops / ms / 1e9,
                         "max_abs_diff_vs_default": float((o.float() - reference.float()).abs().max())})
             del o
@@ -217,7 +221,7 @@ def probe_backward(x: dict, scale: float, rep_ms: int, variants: tuple | list | 
             reference = grads if reference is None else reference
             diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(grads, reference))
             out.append({"probe": "backward", "branch": branch, "consistent_d": consistent,
-                        "dq_tiling": list(dq_shape), "dkdv_tiling": list(dkdv_shape),
+                        "dq_tiling": list(astuple(dq_tiling)), "dkdv_tiling": list(astuple(dkdv_tiling)),
                         "default": consistent and dq_tiling == dq_default and dkdv_tiling == dkdv_default,
                         "ms": (ms := bench_ms(run, rep_ms)), "tflops": flops / ms / 1e9,
                         "max_abs_grad_diff_vs_first": diff})

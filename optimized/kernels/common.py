@@ -266,8 +266,8 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # of the whole group beat one-head tiles in every range kernel at 64k tokens (forward -11%, dq -6%, dk/dv -12%; at
 # 8k -2%, -1% and -11%; perf.prefill_probe --probes heads,range; perf/NOTES.md). The dk/dv tile spills 8 bytes and
 # is still the fastest measured (the no-spill 16 x 64 one took 8% longer). A group that pads to fewer heads keeps one
-# head per program with the same tile sizes. At d = 64 (prod-125m's group of 6, padded to 8) one head per step stayed
-# fastest for dk/dv; the other kernels were not measured with heads there.
+# head per program with the same tile sizes. At d = 64 (prod-125m's group of 6, padded to 8: a quarter of each tile
+# is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that width keeps one head.
 # "lse": the forward kernel's lse-only pass (the selection's normaliser where the compressed branch did not run)
 # keeps the forward's earlier tiles: with the head-packed tile, the 64k select stage (`python -m perf run`), which
 # runs that pass, took 2 ms longer.
