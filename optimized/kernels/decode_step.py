@@ -184,7 +184,8 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     scale = 1.0 / math.sqrt(dk)
     q = q if q.stride(-1) == 1 else q.contiguous()
     score_programs = -(-n_sel_blocks // SCORE_BLOCK)  # per row
-    largest = rows * max(splits.cmp, score_programs, splits.lists, splits.slc + splits.win)
+    tile_dv = min(GATE_TILE_DV, block_dv)  # the gate's output columns per program
+    largest = rows * max(splits.cmp, score_programs, splits.lists, splits.slc + splits.win, block_dv // tile_dv)
     pdl = {"PDL": True, "launch_pdl": True} if uses_pdl(dev, largest) else {}
 
     out = StepOutput(o=torch.empty((B, 1, Hq, dv), dtype=q.dtype, device=dev),
@@ -253,7 +254,6 @@ def lean_decode_step(q: Tensor, gates: Tensor, new: tuple[Tensor, ...], lengths:
     )
 
     # o_cmp, o_slc, o_win from their splits, and Eq. 5
-    tile_dv = min(GATE_TILE_DV, block_dv)
     gate_kernel[(rows, block_dv // tile_dv)](
         sparse_parts.o, sparse_parts.m, sparse_parts.l, sparse_parts.reads, cmp_parts.o, cmp_parts.m, cmp_parts.l,
         cmp_parts.reads, gates, lengths, n_new, out.o, out.o_cmp, out.o_slc, out.o_win, out.reads_cmp, out.reads_slc,
