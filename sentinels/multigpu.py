@@ -228,7 +228,8 @@ def one_process_main(spec_path: Path) -> int:
     t = ranks_cfg.train
     # the ranks run the eager step (CUDA graphs need one process), so the one-process run does too
     single = ranks_cfg.replace(**({"train.grad_accum": nproc * t.grad_accum} if mode == "interleave" else
-                                  {"train.micro_batch_size": nproc * t.micro_batch_size}), **{"train.cuda_graphs": False})
+                                  {"train.micro_batch_size": nproc * t.micro_batch_size}),
+                               **{"train.cuda_graphs": False})
     trainer = Trainer(single, batch_source=RanksAsOneSource(ranks_cfg, nproc, mode=mode), save_checkpoints=False,
                       extra_metadata={"multigpu_run": spec["name"], "reads_ranks": nproc, "mode": mode})
     try:

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .decode_append import append_head_token
-from .decode_tiles import (await_previous_launch, group_queries, merge_stats, qk_tile, softmax_update, step_position, store_partial,
-                           visible_cmp_count)
+from .decode_tiles import (await_previous_launch, group_queries, merge_stats, qk_tile, softmax_update, step_position,
+                           store_partial, visible_cmp_count)
 from .top_n import EMPTY, score_into_list
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import await_previous_launch, group_queries, merge_partials, qk_tile, softmax_update, step_position, store_partial
+from .decode_tiles import (await_previous_launch, group_queries, merge_partials, qk_tile, softmax_update,
+                           step_position, store_partial)
 from .top_n import merged_blocks
 
 
