@@ -10,7 +10,7 @@ on an H100 (perf/NOTES.md); its sm_90 compile used 5-8 KB of stack per thread. T
 are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
 l = 32, d = 16, l' = 64, n = 16) that matter for speed, and the prefill range kernels' launches (prefill_cases);
 `--require-no-spill` fails if any of them spills, beyond the few bytes one launch was measured fastest with (the
-paper layout's range dk/dv tile: 8 bytes, against a no-spill tile 8% slower; optimized/kernels/common.py).
+paper layout's range dk/dv tile: 8 bytes, against a no-spill tile 8% slower; common.RANGE_MEASURED_STACK).
 
     python -m perf.kernel_survey [--require-no-spill]
 """
@@ -115,7 +115,7 @@ def prefill_cases() -> list[Case]:
     """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
     (16 heads per KV group, d_k = d_v = 128) and prod-125m's (6 per group, d = 64): the group-scores kernel, the
     range forward, dq (consistent D) and dk/dv."""
-    from optimized.kernels.common import packed_heads, range_tiling
+    from optimized.kernels.common import RANGE_MEASURED_STACK, packed_heads, range_tiling
     from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
     from optimized.kernels.selection import _group_scores_kernel
@@ -149,12 +149,12 @@ def prefill_cases() -> list[Case]:
         for kind, kernel, flags in (("forward", _range_attention_fwd_kernel, dict(WITH_OUTPUT=True)),
                                     ("dq", _range_attention_dq_kernel, dict(CONSISTENT_D=True)),
                                     ("dk/dv", _range_attention_dkdv_kernel, dict(COMPENSATED=False))):
-            t, shape = tiles(kind.replace("/", ""))
+            table_kind = kind.replace("/", "")
+            t, shape = tiles(table_kind)
             heads = packed_heads(t, group)  # as the launches take it
-            measured = 8 if (kind, group, d) == ("dk/dv", 16, 128) else 0  # the table's comment has the timing
             cases.append(Case(f"prefill {layout} range {kind} {t.block_m}x{t.block_n}, {heads} heads", kernel,
                               pointers(kernel), dict(HEADS=heads, **flags, **shape, **attn), t.num_warps,
-                              t.num_stages, measured_stack=measured))
+                              t.num_stages, measured_stack=RANGE_MEASURED_STACK.get((table_kind, 2 * d), 0)))
     return cases
 
 

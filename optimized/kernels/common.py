@@ -265,9 +265,10 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # Heads (the 5th field, RangeTiling.heads): at d = 128 with the paper's group of 16, tiles of (query row, head) rows
 # of the whole group beat one-head tiles in every range kernel at 64k tokens (forward -11%, dq -6%, dk/dv -12%; at
 # 8k -2%, -1% and -11%; perf.prefill_probe --probes heads,range; perf/NOTES.md). The dk/dv tile spills 8 bytes and
-# is still the fastest measured (the no-spill 16 x 64 one took 8% longer). A group that pads to fewer heads keeps one
-# head per program with the same tile sizes. At d = 64 (prod-125m's group of 6, padded to 8: a quarter of each tile
-# is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that width keeps one head.
+# is still the fastest measured (the no-spill 16 x 64 one took 8% longer; RANGE_MEASURED_STACK). A group that pads
+# to fewer heads keeps one head per program with the same tile sizes. At d = 64 (prod-125m's group of 6, padded to
+# 8: a quarter of each tile is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that
+# width keeps one head.
 # "lse": the forward kernel's lse-only pass (the selection's normaliser where the compressed branch did not run)
 # keeps the forward's earlier tiles: with the head-packed tile, the 64k select stage (`python -m perf run`), which
 # runs that pass, took 2 ms longer.
@@ -278,6 +279,9 @@ _RANGE_TABLE = {
     "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (64, 32, 8, 2)), (512, (32, 16, 8, 2))),
     "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (64, 32, 8, 2))),
 }
+# Bytes of stack per thread a _RANGE_TABLE entry (kind, largest BLOCK_DK + BLOCK_DV) was measured fastest with, where
+# it spills; perf.kernel_survey --require-no-spill holds the d = 64 and d = 128 entries to this (0 where not listed).
+RANGE_MEASURED_STACK = {("dkdv", 256): 8}
 
 
 def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:
