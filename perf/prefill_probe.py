@@ -61,6 +61,12 @@ def _tiling(shape: tuple[int, ...]) -> RangeTiling:
     return RangeTiling(*shape)
 
 
+def _default_tiling(kind: str, dtype: torch.dtype) -> RangeTiling:
+    """The launch table's tiling of a range kernel (range_tiling's kind) at the probed layout."""
+    dv = CFG.head_dim_qk if kind == "scores" else CFG.head_dim_v  # the scores kernel reads no values
+    return range_tiling(padded(CFG.head_dim_qk), padded(dv), dtype, kind)
+
+
 def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
     """Random q and per-branch k/v of `batch` sequences, the compressed and window ranges, and the compressed
     branch's lse2 (what nsa_forward hands the selection)."""
@@ -99,7 +105,7 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
     qr = q[:, r0:]
     width = int((hi - lo + 1).max())
     flops = _useful_flops(lo, hi, CFG.head_dim_qk, q.shape[0])
-    default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_qk), q.dtype, "scores")
+    default = _default_tiling("scores", q.dtype)
     reference = group_scores(qr, k_cmp, lo, hi, lse2, width, scale)
     out = []
     for shape in SCORE_TILINGS:
@@ -151,7 +157,7 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
         lo, hi = x[branch]
         flops = _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v, q.shape[0])
-        default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_v), q.dtype, "forward")
+        default = _default_tiling("forward", q.dtype)
         reference = range_attention_forward(q, k, v, lo, hi, scale, tiling=default)[0]
         for shape in RANGE_TILINGS:
             t = _tiling(shape)
@@ -187,9 +193,8 @@ HEADS_DQ_TILINGS = ((64, 32, 4, 2, 16), (128, 32, 8, 2, 16), (64, 64, 4, 2, 16),
 
 
 def probe_heads(x: dict, scale: float, rep_ms: int) -> list[dict]:
-    widths, dtype = (padded(CFG.head_dim_qk), padded(CFG.head_dim_v)), x["q"].dtype
-    dq_default = astuple(range_tiling(*widths, dtype, "dq"))
-    dkdv_default = astuple(range_tiling(*widths, dtype, "dkdv"))
+    dq_default = astuple(_default_tiling("dq", x["q"].dtype))
+    dkdv_default = astuple(_default_tiling("dkdv", x["q"].dtype))
     variants = [(True, dq_default, shape) for shape in (dkdv_default, *HEADS_DKDV_TILINGS)]
     variants += [(True, shape, dkdv_default) for shape in HEADS_DQ_TILINGS]
     return probe_backward(x, scale, rep_ms, variants)
@@ -201,8 +206,8 @@ def probe_backward(x: dict, scale: float, rep_ms: int, variants: tuple | list | 
     q = x["q"]
     g = torch.Generator(device=q.device).manual_seed(1)
     do = torch.randn(q.shape[:3] + (CFG.head_dim_v,), generator=g, device=q.device).to(q.dtype)
-    dq_default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_v), q.dtype, "dq")
-    dkdv_default = range_tiling(padded(CFG.head_dim_qk), padded(CFG.head_dim_v), q.dtype, "dkdv")
+    dq_default = _default_tiling("dq", q.dtype)
+    dkdv_default = _default_tiling("dkdv", q.dtype)
     out = []
     for branch in ("cmp", "win"):
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
