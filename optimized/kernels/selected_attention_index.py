@@ -1,5 +1,5 @@
 """Inverted selection index for the deterministic dk/dv backward: for each (batch, KV group, selection block),
-the query rows that selected it, as CSR built with torch ops (stable sort + bincount + cumsum), split into
+the query rows that selected it, as CSR built with torch ops (stable sort + binary searches), split into
 work items of at most `queries_per_item` queries.
 
 A block selected by many queries (block 0 is forced for every query, Eq. 11) would make one program loop over
@@ -78,6 +78,14 @@ def default_queries_per_item(n_queries: int, n_selected: int, n_blocks: int) -> 
     return max(MIN_QUERIES_PER_ITEM, triton.next_power_of_2(-(-2 * n_queries * n_selected // n_blocks)))
 
 
+def _key_dtype(n_keys: int) -> torch.dtype:
+    """The narrowest signed integer type holding 0 .. n_keys."""
+    for dtype in (torch.int16, torch.int32):
+        if n_keys <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
 def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
                          queries_per_item: int | None = None, doc_start: Tensor | None = None) -> InvertedIndex:
     """Invert indices [B, TQ, Hkv, n] (queries at the last TQ of n_keys_total positions).
@@ -115,16 +123,19 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
     # every entry, kept or not, in row-major order (t ascending for a fixed (b, g)); the others sort last
     b_ix = torch.arange(B, device=device).view(B, 1, 1, 1)
     g_ix = torch.arange(Hkv, device=device).view(1, 1, Hkv, 1)
-    key = torch.where(kept, (b_ix * Hkv + g_ix) * n_blocks + block_id, n_keys).reshape(-1)
-    order = torch.sort(key, stable=True).indices
+    # keys 0 .. n_keys in the narrowest integer type: a radix sort makes one pass per key byte
+    key_dtype = _key_dtype(n_keys)
+    key = torch.where(kept, (b_ix * Hkv + g_ix) * n_blocks + block_id, n_keys).reshape(-1).to(key_dtype)
+    sorted_key, order = torch.sort(key, stable=True)
     t_ix = torch.arange(TQ, device=device, dtype=torch.int32).view(1, TQ, 1, 1).expand(blocks.shape).reshape(-1)
     query_rows = t_ix[order]
 
-    # scatter-add, not torch.bincount: bincount reads the largest key back to the host on CUDA
-    counts = torch.zeros(n_keys + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:n_keys]
-    key_end = torch.cumsum(counts, 0)
-    key_begin = key_end - counts
+    # each key's run in the sorted keys (binary searches: no atomics on the blocks every query selects, and no
+    # torch.bincount, which reads the largest key back to the host on CUDA)
+    key_ids = torch.arange(n_keys, device=device, dtype=key_dtype)
+    key_begin = torch.searchsorted(sorted_key, key_ids)
+    key_end = torch.searchsorted(sorted_key, key_ids, right=True)
+    counts = key_end - key_begin
     per_item = queries_per_item or default_queries_per_item(TQ, indices.shape[-1], n_blocks)
     items_per_key = (counts + per_item - 1) // per_item
 

@@ -320,6 +320,28 @@ def test_inverted_index_lists_every_selecting_query() -> None:
     assert slots_of, "no block was split: the test no longer covers the slots"
 
 
+@pytest.mark.parametrize("n_blocks", [40, 40_000])
+def test_inverted_index_lists_queries_past_int16_block_ids(n_blocks: int) -> None:
+    """Block ids past int16 (the index sorts its keys in the narrowest integer type that holds them): a few queries
+    at the end of a long sequence list the same blocks, with the same runs, as a loop over their selections."""
+    sel_block = 4
+    case = Case(tk=n_blocks * sel_block, tq=6, n_kv_heads=2, group=1, dk=8, dv=8, sel_block=sel_block, n_sel=3)
+    idx = random_indices(case, seed=7)
+    index = build_inverted_index(idx, case.tk, case.sel_block)
+    expected: dict[int, list[int]] = {}
+    for t in range(case.tq):
+        for g in range(case.n_kv_heads):
+            for j in idx[0, t, g].tolist():
+                if j >= 0:
+                    expected.setdefault(g * n_blocks + j, []).append(t)
+    real = (index.item_begin != index.item_end).nonzero().flatten().tolist()
+    got = {int(index.item_key[i]): index.query_rows[int(index.item_begin[i]):int(index.item_end[i])].tolist()
+           for i in real}
+    assert got == expected
+    if n_blocks > 32_767:
+        assert max(expected) > 32_767  # the case reaches the wider key type
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(q_heads=65 * 1, kv_heads=1), "group size"),
     (dict(dk=264), "head dims"),
