@@ -241,11 +241,11 @@ def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
     valid = rows >= 0
     flat = torch.where(valid, rows + torch.arange(B * Hkv, device=rows.device)[:, None] * n_blocks,
                        torch.full_like(rows, B * Hkv * n_blocks))
-    # a scatter-add, not torch.bincount, which reads its input's maximum back to the host on CUDA (a sync per layer)
+    # which blocks were hit, by a scatter of ones (not a count: a scatter-add serialises on block 0, which every
+    # query selects; torch.bincount reads its input's maximum back to the host on CUDA, a sync per layer)
     flat = flat.reshape(-1)
-    hits = torch.zeros(B * Hkv * n_blocks + 1, dtype=torch.int64, device=flat.device)
-    hits = hits.scatter_add_(0, flat, torch.ones_like(flat))[:-1].view(B * Hkv, n_blocks)
-    distinct = (hits > 0).sum(dim=1).float().mean()
+    hit = torch.zeros(B * Hkv * n_blocks + 1, dtype=torch.uint8, device=flat.device).scatter_(0, flat, 1)
+    distinct = hit[:-1].view(B * Hkv, n_blocks).sum(dim=1).float().mean()
     reads = torch.stack([getattr(out.reads, b).detach().sum() for b in BRANCHES])
     return LayerStats(gate_mean=g.mean(0), gate_max=g.max(0).values, distinct_blocks=distinct, reads=reads)
 
