@@ -42,7 +42,7 @@ SEL_BLOCK = 64
 N_SEL = 16
 # (key rows, warps, stages)
 FORWARD_TILINGS = ((32, 1, 2), (32, 1, 3), (32, 2, 2), (64, 2, 2), (64, 2, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2))
-DQ_TILINGS = FORWARD_TILINGS
+DQ_TILINGS = ((16, 1, 2), (16, 1, 3), (16, 2, 2), *FORWARD_TILINGS)  # 16-key tiles: fewer registers per warp
 # (key rows, (query, head) columns, warps, stages)
 DKDV_TILINGS = ((64, 128, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 64, 4, 3))
 

@@ -97,17 +97,19 @@ def measured_small_tiles(group_tile: int, width: int, dtype: torch.dtype) -> boo
 def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype,
               kernel: str = "forward") -> Tiling | None:
     """The query-centric selected-attention launches (kernel "forward" or "dq") for a [16, d <= 128] half-precision
-    query tile (group sizes up to 16): one program per (query, group) is a chain of dependent gathers, and at 16k
-    tokens on an H100 fewer warps per program (more programs resident) ran faster than 4 or 8 warps: G = 6, d = 64
-    forward 1.26 -> 0.90 ms with 32-key tiles, 1 warp, 3 stages, dq 2.63 -> 2.04 ms with the same and 2.01 -> 1.85 ms
-    with 2 stages instead of 3 (the forward is 6% slower with 2); G = 16, d = 128 dq 11.3 -> 8.9 ms with 64-key tiles,
-    2 warps, 2 stages (perf/NOTES.md); key tiles no longer than key_tile_rows allows for l'. None: the general
-    heuristics."""
+    query tile (group sizes up to 16): one program per (query, group) is a chain of dependent gathers, and on an
+    H100 fewer warps per program (more programs resident) ran faster than 4 or 8 warps (perf/NOTES.md): the forward
+    with 32-key tiles, 1 warp, 3 stages at d <= 64 (G = 6, 16k tokens: 1.26 -> 0.90 ms) and 64-key tiles, 2 warps
+    at d = 128; dq with 16-key tiles, 1 warp, 2 stages (fewer registers per warp than 32 or 64 keys: G = 6, d = 64,
+    16k tokens 1.82 -> 1.76 ms; G = 16, d = 128, 64k tokens 35.5 -> 32.3 ms); key tiles no longer than
+    key_tile_rows allows for l'. None: the general heuristics."""
     width = max(block_dk, block_dv)
     if not measured_small_tiles(block_h, width, dtype):
         return None
+    if kernel == "dq":
+        return Tiling(key_tile_rows(sel_block, 16), num_warps=1, num_stages=2)
     if width <= 64:
-        return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=3 if kernel == "forward" else 2)
+        return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=3)
     return Tiling(key_tile_rows(sel_block, 64), num_warps=2, num_stages=2)
 
 
