@@ -183,7 +183,8 @@ def _select_top_n_kernel(
     stride_ob, stride_ot, stride_og,
     n_rows, width, n_blocks, n_init, n_local, group,
     BAND: tl.constexpr, FIRST_OFFSET: tl.constexpr, STRIDE: tl.constexpr, MEAN: tl.constexpr,
-    N_SEL: tl.constexpr, N_SEL_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+    N_SEL: tl.constexpr, N_FORCED: tl.constexpr, N_SEL_PAD: tl.constexpr, ROWS: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
@@ -221,12 +222,24 @@ def _select_top_n_kernel(
     lowest = -9223372036854775807 - 1
     key = tl.where(real, key, lowest)
 
-    # the first min(n, NB) of the ranking: n rounds of (largest key, knock it out). Once every block is out
-    # (n > NB) the largest key is `lowest`, whose low word names block NB - 1, already taken: no change.
-    chosen = real & (blocks < 0)
-    for _ in range(N_SEL):
+    # the first min(n, NB) of the ranking. The forced blocks rank first (+inf) and number at most n (NSAConfig:
+    # n >= n_init + n_local), so they are taken as they are; the rest are rounds of (largest key, knock it out):
+    # n - (n_init + n_local) rounds for every row, then one more per forced block a row lacks (the first blocks of
+    # a sequence, where the initial and local blocks overlap). Once every block is out (n > NB) the largest key is
+    # `lowest`, whose low word names block NB - 1, already taken: no change.
+    chosen = forced & real
+    key = tl.where(chosen, lowest, key)
+    lacking = N_FORCED - tl.sum(chosen.to(tl.int32), axis=1)
+    for _ in range(N_SEL - N_FORCED):
         best = tl.max(key, axis=1)
         pick = (n_blocks - 1) - (best & 0x7FFFFFFF).to(tl.int32)  # the low word: the reversed block index
+        take = blocks == pick[:, None]
+        chosen = chosen | take
+        key = tl.where(take, lowest, key)
+    for r in range(tl.max(tl.where(row_ok, lacking, 0), axis=0)):
+        best = tl.max(key, axis=1)
+        pick = (n_blocks - 1) - (best & 0x7FFFFFFF).to(tl.int32)
+        pick = tl.where(r < lacking, pick, -1)  # a row with its n blocks takes none
         take = blocks == pick[:, None]
         chosen = chosen | take
         key = tl.where(take, lowest, key)
@@ -288,7 +301,8 @@ def select_top_n(p: Tensor, lo: Tensor, hi: Tensor, current: Tensor, n_blocks: i
         C, width, n_blocks, cfg.n_init, cfg.n_local, float(cfg.group_size),
         BAND=tuple(float(w) for w in band.weights), FIRST_OFFSET=band.first_offset,
         STRIDE=cfg.pieces_per_sel_block, MEAN=cfg.group_reduce == "mean",
-        N_SEL=cfg.n_sel, N_SEL_PAD=triton.next_power_of_2(cfg.n_sel), ROWS=rows, BLOCKS_PAD=blocks_pad,
+        N_SEL=cfg.n_sel, N_FORCED=cfg.n_init + cfg.n_local, N_SEL_PAD=triton.next_power_of_2(cfg.n_sel), ROWS=rows,
+        BLOCKS_PAD=blocks_pad,
         num_warps=warps, enable_fp_fusion=False,  # Eq. 9's products and sums rounded one by one, as in torch
     )
     return out
