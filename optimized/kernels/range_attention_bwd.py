@@ -269,6 +269,40 @@ def range_attention_delta(do: Tensor, o: Tensor) -> Tensor:
     return delta
 
 
+@triton.jit
+def _sum_parts_kernel(PARTS, OUT, n_rows, n_keys, n_kv_heads, parts, part_stride,
+                      stride_ob, stride_ot, stride_oh, stride_od,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """OUT[b, t, h, :] = sum over p of PARTS[p, b, t, h, :] (fp32 [parts, B, TK, Hkv, D] contiguous), added in part
+    order in fp32 and rounded once to OUT's dtype."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (offs < D)[None, :]
+    src = PARTS + rows[:, None] * D + offs[None, :]
+    acc = tl.load(src, mask=mask, other=0.0)
+    for p in range(1, parts):
+        acc += tl.load(src + p * part_stride, mask=mask, other=0.0)
+    h = rows % n_kv_heads
+    t = (rows // n_kv_heads) % n_keys
+    b = rows // n_kv_heads // n_keys
+    dst = OUT + b[:, None] * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs[None, :] * stride_od
+    tl.store(dst, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def sum_parts(parts: Tensor, out: Tensor) -> Tensor:
+    """out [B, TK, Hkv, d] (any strides) = parts [S, B, TK, Hkv, d] (fp32, contiguous) summed over S in order, in one
+    pass: the sum and its rounding to out's dtype without an fp32 intermediate."""
+    n_rows = out.shape[0] * out.shape[1] * out.shape[2]
+    d = out.shape[-1]
+    if n_rows * d == 0:
+        return out
+    block_d, rows = row_pass_shape(d)
+    _sum_parts_kernel[(triton.cdiv(n_rows, rows),)](
+        parts, out, n_rows, out.shape[1], out.shape[2], parts.shape[0], parts[0].numel(), *out.stride(),
+        D=d, BLOCK_D=block_d, ROWS=rows, num_warps=4)
+    return out
+
+
 def _launch_arguments(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse2: Tensor) -> tuple[dict, tuple]:
     """The constexprs and input strides the dq and dk/dv launches share."""
     Hq, dk, Hkv, dv = q.shape[2], q.shape[3], k.shape[2], v.shape[-1]
@@ -350,6 +384,6 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     first = dkdv_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dkdv")
     out_k, out_v = launch_with_fallback(launch_dkdv, first, smaller_range_tilings(first))
     if out_k.shape[0] > 1:
-        dkey.copy_(out_k.sum(dim=0))
-        dval.copy_(out_v.sum(dim=0))
+        sum_parts(out_k, dkey)
+        sum_parts(out_v, dval)
     return dq, dkey, dval

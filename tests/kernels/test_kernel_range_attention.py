@@ -20,7 +20,7 @@ from tests.kernels.parity import low_precision_example
 from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention
-from optimized.kernels.range_attention_bwd import range_attention_backward, range_attention_delta, reading_rows
+from optimized.kernels.range_attention_bwd import range_attention_backward, range_attention_delta, reading_rows, sum_parts
 from optimized.kernels.common import RangeTiling
 from optimized.kernels.range_attention import compressed_ranges, range_attention_forward, range_reads, window_ranges
 from reference.config import NSAConfig
@@ -322,6 +322,23 @@ def test_dkdv_split_over_rows_matches_the_oracle(split: int, consistent_d: bool,
     runs = [range_attention_backward(q, k, v, lo32, hi32, o, lse2, do, 0.25, split=split, consistent_d=consistent_d)
             for _ in range(2)]
     check_backward_runs(runs, q, k, v, lo, hi, do, scale=0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_split_parts_are_summed_in_order_into_a_strided_gradient(dtype: torch.dtype) -> None:
+    """The split dk/dv's partial sums: fp32 parts added in part order and rounded once, bitwise the sequential torch
+    sum, written into a gradient whose rows are not contiguous (a slice of a wider tensor); the columns beside the
+    slice are left alone. (bf16 on CUDA only: Triton's interpreter truncates fp32 -> bf16 casts.)"""
+    g = torch.Generator().manual_seed(3)
+    parts = torch.randn(3, 2, 5, 3, 12, generator=g).to(DEVICE)
+    wide = torch.full((2, 5, 3, 20), 7.0, dtype=dtype, device=DEVICE)
+    out = wide[..., 4:16]
+    sum_parts(parts, out)
+    expected = parts[0].clone()
+    for part in parts[1:]:
+        expected = expected + part
+    assert torch.equal(out, expected.to(dtype))
+    assert (wide[..., :4] == 7).all() and (wide[..., 16:] == 7).all()
 
 
 def check_backward_runs(runs, q, k, v, lo, hi, do, scale: float) -> None:
