@@ -270,11 +270,11 @@ def range_attention_delta(do: Tensor, o: Tensor) -> Tensor:
 
 
 @triton.jit
-def _sum_parts_kernel(PARTS, OUT, n_rows, n_keys, n_kv_heads, parts, part_stride,
-                      stride_ob, stride_ot, stride_oh, stride_od,
+def _sum_parts_kernel(PARTS, GRAD, n_rows, n_keys, n_kv_heads, parts, part_stride,
+                      stride_gb, stride_gt, stride_gh, stride_gd,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """OUT[b, t, h, :] = sum over p of PARTS[p, b, t, h, :] (fp32 [parts, B, TK, Hkv, D] contiguous), added in part
-    order in fp32 and rounded once to OUT's dtype."""
+    """GRAD[b, t, h, :] = sum over p of PARTS[p, b, t, h, :] (fp32 [parts, B, TK, Hkv, D] contiguous), added in part
+    order in fp32 and rounded once to GRAD's dtype."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (offs < D)[None, :]
@@ -285,8 +285,8 @@ def _sum_parts_kernel(PARTS, OUT, n_rows, n_keys, n_kv_heads, parts, part_stride
     h = rows % n_kv_heads
     t = (rows // n_kv_heads) % n_keys
     b = rows // n_kv_heads // n_keys
-    dst = OUT + b[:, None] * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs[None, :] * stride_od
-    tl.store(dst, acc.to(OUT.dtype.element_ty), mask=mask)
+    dst = GRAD + b[:, None] * stride_gb + t[:, None] * stride_gt + h[:, None] * stride_gh + offs[None, :] * stride_gd
+    tl.store(dst, acc.to(GRAD.dtype.element_ty), mask=mask)
 
 
 def sum_parts(parts: Tensor, out: Tensor) -> Tensor:
