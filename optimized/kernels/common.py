@@ -336,10 +336,14 @@ def head_packed_rows(n_queries, GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_
     return rows, kvh * GROUP + in_group, valid, kvh
 
 
-def head_parts(group: int, heads: int) -> int:
-    """The programs per KV group on head_packed_rows' grid axis 1 with `heads` heads per program (packed_heads):
-    ceil(group / heads)."""
-    return -(-group // heads)
+def head_packed_grid(tiling: "RangeTiling", n_queries: int, n_heads: int, n_kv_heads: int,
+                     batch: int) -> tuple[tuple[int, int, int], int]:
+    """(grid, heads) of a query-centric range-attention launch whose programs take head_packed_rows' tiles: heads per
+    program (packed_heads), then (row tiles of block_m // heads query rows, KV heads x ceil(group / heads) head
+    parts, batch)."""
+    group = n_heads // n_kv_heads
+    heads = packed_heads(tiling, group)
+    return (triton.cdiv(n_queries, tiling.block_m // heads), n_kv_heads * -(-group // heads), batch), heads
 
 
 def packed_heads(tiling: "RangeTiling", group: int) -> int:

@@ -40,9 +40,8 @@ from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from ..documents import Documents
 from ..numerics import LN2, LOG2E
-from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_packed_rows, head_parts, interpreting,
-                     key_tile_logits, key_tile_span, launch_with_fallback, packed_heads, padded, range_tiling,
-                     smaller_range_tilings)
+from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_packed_grid, head_packed_rows, interpreting,
+                     key_tile_logits, key_tile_span, launch_with_fallback, padded, range_tiling, smaller_range_tilings)
 from .range_attention_bwd import range_attention_backward
 
 
@@ -132,8 +131,7 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
     vv, oo = (v, o) if with_output else (k, lse2)  # placeholders the kernel never touches without output
 
     def launch(t: RangeTiling) -> None:
-        heads = packed_heads(t, Hq // Hkv)
-        grid = (triton.cdiv(TQ, t.block_m // heads), Hkv * head_parts(Hq // Hkv, heads), B)
+        grid, heads = head_packed_grid(t, TQ, Hq, Hkv, B)
         _range_attention_fwd_kernel[grid](
             q, k, vv, lo, hi, oo, lse2,
             q.stride(0), q.stride(1), q.stride(2),

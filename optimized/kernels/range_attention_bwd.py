@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..numerics import LOG2E
-from .common import (RangeTiling, compensated_add, dot_settings, head_packed_rows, head_parts, key_tile_span,
+from .common import (RangeTiling, compensated_add, dot_settings, head_packed_grid, head_packed_rows, key_tile_span,
                      launch_with_fallback, packed_heads, padded, range_tiling, row_pass_shape, row_view,
                      smaller_range_tilings)
 
@@ -330,9 +330,8 @@ def range_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi:
     common, strides = _launch_arguments(q, k, v, do, lse2)
 
     def launch_dq(t: RangeTiling) -> None:
-        group = Hq // k.shape[2]
-        heads = packed_heads(t, group)
-        _range_attention_dq_kernel[(triton.cdiv(TQ, t.block_m // heads), k.shape[2] * head_parts(group, heads), B)](
+        grid, heads = head_packed_grid(t, TQ, Hq, k.shape[2], B)
+        _range_attention_dq_kernel[grid](
             q, k, v, lo, hi, do, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             TQ, TK, scale * LOG2E, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEADS=heads,
             CONSISTENT_D=consistent_d,
