@@ -20,7 +20,8 @@ from tests.kernels.parity import low_precision_example
 from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention
-from optimized.kernels.range_attention_bwd import range_attention_backward, range_attention_delta, reading_rows, sum_parts
+from optimized.kernels.range_attention_bwd import (range_attention_backward, range_attention_delta, reading_rows,
+                                                   sum_parts)
 from optimized.kernels.common import RangeTiling
 from optimized.kernels.range_attention import compressed_ranges, range_attention_forward, range_reads, window_ranges
 from reference.config import NSAConfig
