@@ -177,6 +177,16 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor 
 
 
 @triton.jit
+def _take_largest(key, chosen, blocks, n_blocks, lowest, rows_taking):
+    """One round of Eq. 11's ranking over [rows, blocks] int64 rank keys: each row in rows_taking takes the block of
+    its largest key (the key's low word is the reversed block index) and knocks that key out (to `lowest`)."""
+    best = tl.max(key, axis=1)
+    pick = tl.where(rows_taking, (n_blocks - 1) - (best & 0x7FFFFFFF).to(tl.int32), -1)
+    take = blocks == pick[:, None]
+    return chosen | take, tl.where(take, lowest, key)
+
+
+@triton.jit
 def _select_top_n_kernel(
     P, LO, HI, CURRENT, INDICES,
     stride_pb, stride_pt, stride_pg,
@@ -231,18 +241,9 @@ def _select_top_n_kernel(
     key = tl.where(chosen, lowest, key)
     lacking = N_FORCED - tl.sum(chosen.to(tl.int32), axis=1)
     for _ in range(N_SEL - N_FORCED):
-        best = tl.max(key, axis=1)
-        pick = (n_blocks - 1) - (best & 0x7FFFFFFF).to(tl.int32)  # the low word: the reversed block index
-        take = blocks == pick[:, None]
-        chosen = chosen | take
-        key = tl.where(take, lowest, key)
-    for r in range(tl.max(tl.where(row_ok, lacking, 0), axis=0)):
-        best = tl.max(key, axis=1)
-        pick = (n_blocks - 1) - (best & 0x7FFFFFFF).to(tl.int32)
-        pick = tl.where(r < lacking, pick, -1)  # a row with its n blocks takes none
-        take = blocks == pick[:, None]
-        chosen = chosen | take
-        key = tl.where(take, lowest, key)
+        chosen, key = _take_largest(key, chosen, blocks, n_blocks, lowest, True)
+    for r in range(tl.max(tl.where(row_ok, lacking, 0), axis=0)):  # rows that already hold n blocks take none
+        chosen, key = _take_largest(key, chosen, blocks, n_blocks, lowest, r < lacking)
 
     # the chosen blocks that exist, ascending, then -1 in the remaining slots
     keep = chosen & exists & real
