@@ -23,6 +23,7 @@ import torch
 from reference.config import NSAConfig
 
 from .cli import parse_seq_lens
+from .env import describe
 
 
 def union_sizes(indices: torch.Tensor, tile: int, first_row: int = 0) -> torch.Tensor:
@@ -97,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['selected_share']:.1%} of the union's pairs selected")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        report = {"preset": args.preset, "seq_len": T, "head_dim": args.head_dim, "seed": args.seed,
-                  "n_sel": cfg.n_sel, "sel_block": cfg.sel_block, "rows": rows}
+        report = {"env": describe(torch.device(args.device)), "preset": args.preset, "seq_len": T,
+                  "head_dim": args.head_dim, "seed": args.seed, "n_sel": cfg.n_sel, "sel_block": cfg.sel_block,
+                  "rows": rows}
         (args.out / "selection_overlap.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

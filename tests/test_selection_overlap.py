@@ -42,7 +42,7 @@ def test_main_writes_the_report(tmp_path):
     # paper blocks (rows from n l' = 1024 on have a choice), narrow heads so that it runs in a second
     assert main(["--head-dim", "16", "--seq-len", "1280", "--tiles", "1,8", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "selection_overlap.json").read_text())
-    assert [row["tile"] for row in report["rows"]] == [1, 8]
+    assert [row["tile"] for row in report["rows"]] == [1, 8] and "torch" in json.dumps(report["env"])
     n = report["n_sel"]
     assert report["rows"][0]["distinct_blocks"] == n  # one query: its own n distinct blocks
     assert n <= report["rows"][1]["distinct_blocks"] <= report["rows"][1]["visible_blocks"]
