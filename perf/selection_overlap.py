@@ -4,11 +4,11 @@ touches per KV group (Eq. 11's indices), against the n blocks each query gathers
 A query-centric selected kernel loads n blocks of l' keys per (query, KV group); a kernel that took a tile of q
 consecutive queries at once would load the union of their blocks once and compute every query of the tile against
 every key of that union (masking the pairs not selected). This probe measures that union on the selections Eq. 8-11
-make (optimized.stages.selection_indices) for random inputs, which are what `python -m perf run` times, so the two
-costs can be compared: loads per query (union / q against n) and the share of computed (query, key) pairs that are
+make (optimized.stages.selection_indices) for the random inputs `python -m perf run` times, so the two costs can be
+compared: loads per query (union / q against n) and the share of computed (query, key) pairs that are
 selected (n / union). Rows that have no choice (t < n l', every visible block selected) are left out.
 
-    python -m perf.selection_overlap [--seq-len 8192] [--tiles 1,16,64] [--device cpu] [--out DIR]
+    python -m perf.selection_overlap [--preset paper] [--seq-len 8192] [--tiles 1,16,64] [--device cuda] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ import torch
 
 from reference.config import NSAConfig
 
+from .cases import single_sequence_inputs
 from .cli import parse_seq_lens
 from .env import describe
+from .spec import PRESETS, BenchSpec, preset
 
 
 def union_sizes(indices: torch.Tensor, tile: int, first_row: int = 0) -> torch.Tensor:
@@ -38,16 +40,16 @@ def union_sizes(indices: torch.Tensor, tile: int, first_row: int = 0) -> torch.T
     return (new & (rows >= 0)).sum(-1)
 
 
-def random_selections(cfg: NSAConfig, T: int, seed: int, device: torch.device) -> torch.Tensor:
-    """Eq. 8-11 indices [T, Hkv, n] for random q, k (standard normal, float32) at cfg (phi = avg; d_v = d_k)."""
+def benchmark_selections(spec: BenchSpec, T: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Eq. 8-11 indices [T, Hkv, n] of the first sequence of the inputs `python -m perf run` draws for this sweep
+    (perf.cases.single_sequence_inputs: standard normal q and k, the sweep's dtype, a random phi MLP where the
+    config's phi is mlp), computed as nsa_forward computes them (optimized.stages.selection_indices)."""
     from optimized.compression import compress
     from optimized.stages import selection_indices
 
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn((1, T, cfg.n_heads, cfg.head_dim_qk), generator=g, device=device)
-    k = torch.randn((1, T, cfg.n_kv_heads, cfg.head_dim_qk), generator=g, device=device)
-    k_cmp, _ = compress(k, k, cfg)  # v is not scored: the keys stand in for it
-    return selection_indices(q, k_cmp, cfg)[0]
+    x = single_sequence_inputs(spec, T, device, seed)
+    k_cmp, _ = compress(x.kv.cmp.k, x.kv.cmp.v, spec.cfg, x.phi)
+    return selection_indices(x.q, k_cmp, spec.cfg)[0]
 
 
 def overlap_rows(indices: torch.Tensor, cfg: NSAConfig, tiles: list[int]) -> list[dict]:
@@ -71,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=parse_seq_lens, default=(8192,), help="one T, e.g. 8k (default)")
     parser.add_argument("--tiles", default="1,16,64", help="comma-separated tile sizes (queries)")
-    parser.add_argument("--preset", default="paper")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", choices=PRESETS, default="paper", help="the perf sweep whose inputs to score")
+    parser.add_argument("--seed", type=int, default=0, help="the inputs' seed (perf.cases.single_sequence_inputs)")
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, help="also write selection_overlap.json here")
     args = parser.parse_args(argv)
     try:
@@ -86,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.seq_len) != 1:
         parser.error("--seq-len takes one length")
     T = args.seq_len[0]
-    cfg = NSAConfig.preset(args.preset, head_dim_qk=args.head_dim, head_dim_v=args.head_dim, phi="avg")
+    spec = preset(args.preset)
+    cfg = spec.cfg
     start = time.perf_counter()
-    indices = random_selections(cfg, T, args.seed, torch.device(args.device))
+    indices = benchmark_selections(spec, T, args.seed, torch.device(args.device))
     rows = overlap_rows(indices, cfg, tiles)
-    print(f"selection_overlap: {args.preset}, T = {T}, n = {cfg.n_sel}, l' = {cfg.sel_block}, random inputs "
+    print(f"selection_overlap: the {args.preset} sweep's inputs, T = {T}, n = {cfg.n_sel}, l' = {cfg.sel_block} "
           f"({time.perf_counter() - start:.1f} s)")
     for row in rows:
         print(f"  tile {row['tile']:4d}: {row['distinct_blocks']:7.1f} distinct blocks per (tile, KV group) of "
@@ -99,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {"env": describe(torch.device(args.device)), "preset": args.preset, "seq_len": T,
-                  "head_dim": args.head_dim, "seed": args.seed, "n_sel": cfg.n_sel, "sel_block": cfg.sel_block,
-                  "rows": rows}
+                  "config": cfg.to_dict(), "dtype": spec.dtype, "seed": args.seed, "n_sel": cfg.n_sel,
+                  "sel_block": cfg.sel_block, "rows": rows}
         (args.out / "selection_overlap.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -39,8 +39,9 @@ def test_overlap_rows_leave_out_the_rows_without_a_choice():
 
 
 def test_main_writes_the_report(tmp_path):
-    # paper blocks (rows from n l' = 1024 on have a choice), narrow heads so that it runs in a second
-    assert main(["--head-dim", "16", "--seq-len", "1280", "--tiles", "1,8", "--out", str(tmp_path)]) == 0
+    # the tiny sweep's inputs (rows from n l' = 128 on have a choice)
+    assert main(["--preset", "tiny", "--seq-len", "256", "--tiles", "1,8", "--device", "cpu", "--out",
+                 str(tmp_path)]) == 0
     report = json.loads((tmp_path / "selection_overlap.json").read_text())
     assert [row["tile"] for row in report["rows"]] == [1, 8] and "torch" in json.dumps(report["env"])
     n = report["n_sel"]
