@@ -43,7 +43,9 @@ def union_sizes(indices: torch.Tensor, tile: int, first_row: int = 0) -> torch.T
 def benchmark_selections(spec: BenchSpec, T: int, seed: int, device: torch.device) -> torch.Tensor:
     """Eq. 8-11 indices [T, Hkv, n] of the first sequence of the inputs `python -m perf run` draws for this sweep
     (perf.cases.single_sequence_inputs: standard normal q and k, the sweep's dtype, a random phi MLP where the
-    config's phi is mlp), computed as nsa_forward computes them (optimized.stages.selection_indices)."""
+    config's phi is mlp), from the selection stage on its own (optimized.stages.selection_indices over
+    optimized.compression.compress; nsa_forward hands it the compressed branch's softmax instead, which may round a
+    near tie the other way)."""
     from optimized.compression import compress
     from optimized.stages import selection_indices
 
