@@ -101,6 +101,7 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     _check_scoring_inputs(q, k_cmp, cfg)
     where = route(q, k_cmp, k_cmp, range_backend=range_backend)
     TQ = q.shape[1]
+    first_position = 0 if positions is None and cu_seqlens is None else None  # positions known on the host
     if positions is None:
         positions = torch.arange(TQ, device=q.device)
     if n_keys is None:
@@ -109,7 +110,8 @@ def selection_indices(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, *, positions: Te
     if where.ranges:
         from .kernels.selection import selection_indices_rows as on_kernels
 
-        return on_kernels(q, k_cmp, cfg, positions, n_sel_blocks, docs=docs, chunk_size=chunk_size)
+        return on_kernels(q, k_cmp, cfg, positions, n_sel_blocks, docs=docs, chunk_size=chunk_size,
+                          first_position=first_position)
     return selection_indices_rows(q, k_cmp, cfg, positions, n_sel_blocks, chunk_size=chunk_size, docs=docs)
 
 

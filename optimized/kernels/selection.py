@@ -36,7 +36,10 @@
      written in ascending block order and the rest of the n slots get -1.
 
    Grid (tile of ROWS query rows, KV group, batch). A program holds its rows' NB block keys as one
-   [ROWS, BLOCKS_PAD] int64 tile (about 2048 keys a program: 16 per thread with 4 warps).
+   [ROWS, BLOCKS_PAD] int64 tile (about 2048 keys a program: 16 per thread with 4 warps). The rounds cost in
+   proportion to BLOCKS_PAD, not to the blocks a row has, so when the rows' J are known on the host (one sequence)
+   a chunk is launched in segments of rows whose J + 1 pads to the same power of two (width_segments): at 64k
+   tokens the rows before 8k, 16k and 32k rank 128, 256 and 512 keys instead of 1024.
 
 The convention seams these kernels honour (read at call time): the compressed ranges come from
 masks.compressed_block_visible (range_attention.compressed_ranges), the Eq. 9 band from masks.eq9_pool_weights and
@@ -404,11 +407,33 @@ def selection_indices_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: 
     rows = selection_rows(q, k_cmp.detach().to(q.dtype), cfg, positions, docs, cmp_softmax, first_position)
     current = masks.current_sel_block(rows.relative, cfg)
     B, TQ = q.shape[:2]
+    # J of every row on the host (one sequence: the same seam on the host's positions), for width_segments
+    host_current = (masks.current_sel_block(torch.arange(first_position, first_position + TQ), cfg)
+                    if first_position is not None and docs is None else None)
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
     for q0, q1 in kernel_chunks(rows.widths, B * cfg.n_kv_heads * 4, chunk_size):
-        select_top_n(rows.group_scores(q0, q1, zero_fill=False), rows.lo[q0:q1], rows.hi[q0:q1], current[q0:q1],
-                     n_sel_blocks, cfg, out=out[:, q0:q1])
+        p = rows.group_scores(q0, q1, zero_fill=False)
+        for s0, s1, n_blocks in width_segments(host_current, q0, q1, n_sel_blocks):
+            select_top_n(p[:, s0 - q0:s1 - q0], rows.lo[s0:s1], rows.hi[s0:s1], current[s0:s1], n_blocks, cfg,
+                         out=out[:, s0:s1])
     return out
+
+
+MIN_SEGMENT_BLOCKS = 128  # narrower key tiles are not split further: a launch per few rows would cost more
+
+
+def width_segments(current: Tensor | None, q0: int, q1: int, n_blocks: int) -> list[tuple[int, int, int]]:
+    """Rows q0..q1-1 as (s0, s1, blocks) segments for the top-n kernel: consecutive rows whose J + 1 (current,
+    int64 [TQ] on the host) pads to the same power of two (at least MIN_SEGMENT_BLOCKS), each ranking
+    blocks = the segment's largest J + 1 (at most n_blocks) instead of n_blocks. A row's selection does not depend
+    on the blocks past its J (none of them is a candidate), so every segment gives the indices one launch over all
+    n_blocks would. Without the host J (current None) the rows stay one segment of n_blocks."""
+    if current is None or q1 <= q0 or n_blocks <= MIN_SEGMENT_BLOCKS:
+        return [(q0, q1, n_blocks)]
+    needed = (current[q0:q1] + 1).clamp(min=1, max=max(n_blocks, 1))
+    pads = torch.log2(needed.double()).ceil().clamp(min=math.log2(MIN_SEGMENT_BLOCKS))  # exponent of the padded width
+    cuts = [0, *(torch.nonzero(pads[1:] != pads[:-1]).flatten() + 1).tolist(), q1 - q0]
+    return [(q0 + a, q0 + b, min(n_blocks, int(needed[a:b].max()))) for a, b in zip(cuts, cuts[1:])]
 
 
 @torch.no_grad()

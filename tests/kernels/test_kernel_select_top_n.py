@@ -375,3 +375,36 @@ def test_kernel_chunks_keep_p_within_the_budget(monkeypatch: pytest.MonkeyPatch)
     assert chunks[-1][1] - chunks[-1][0] <= 3, "the last rows read 311 columns: 3 rows per chunk"
     assert top_n_module.kernel_chunks(single, 16, 700) == [(q, min(q + 700, 5000)) for q in range(0, 5000, 700)]
     assert top_n_module.kernel_chunks(single[:0], 16, None) == []
+
+
+def test_width_segments_tile_the_rows_by_padded_width() -> None:
+    current = torch.arange(0, 5000) // 16  # J of one sequence at l' = 16
+    segments = top_n_module.width_segments(current, 100, 4900, 300)
+    assert segments[0][0] == 100 and segments[-1][1] == 4900
+    assert all(a[1] == b[0] for a, b in zip(segments, segments[1:])), "segments must tile the rows"
+    assert [s[2] for s in segments] == [128, 256, 300], segments  # rows up to J = 127, 255, then capped at NB
+    assert segments[0][1] == 128 * 16 and segments[1][1] == 256 * 16
+    for s0, s1, blocks in segments:
+        assert int(current[s0:s1].max()) + 1 == min(blocks, 300) or blocks == 300
+    assert top_n_module.width_segments(None, 0, 50, 300) == [(0, 50, 300)], "no host J: one segment"
+    assert top_n_module.width_segments(current, 0, 5000, 128) == [(0, 5000, 128)], "nothing narrower to take"
+    unsorted = torch.tensor([200, 3, 3, 700, 130])
+    assert top_n_module.width_segments(unsorted, 0, 5, 1000) == [(0, 1, 201), (1, 3, 4), (2 + 1, 4, 701),
+                                                                (4, 5, 131)]
+
+
+def test_width_segments_give_the_indices_of_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sequence, segments forced down to one block (MIN_SEGMENT_BLOCKS = 1): each segment's launch ranks only
+    its rows' J + 1 blocks, and the indices equal one launch over every block (a segment one block too narrow
+    would drop the row's own block J, a forced block)."""
+    cfg = SMALL.replace(n_sel=4)
+    x = make_inputs(cfg, 90, B=2, seed=12, dtype=torch.float32, device=DEVICE)
+    k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg)[0]
+    whole = selection(x, k_cmp, cfg)
+    blocks = []
+    real = top_n_module.select_top_n
+    monkeypatch.setattr(top_n_module, "select_top_n", lambda p, lo, hi, cur, nb, *a, **k:
+                        blocks.append((p.shape[1], nb)) or real(p, lo, hi, cur, nb, *a, **k))
+    monkeypatch.setattr(top_n_module, "MIN_SEGMENT_BLOCKS", 1)
+    assert torch.equal(selection(x, k_cmp, cfg), whole)
+    assert blocks == [(16, 1), (16, 2), (32, 4), (26, 6)], blocks  # rows 0-15: J = 0; 16-31: 1; 32-63: 2-3; 64-89
