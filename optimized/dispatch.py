@@ -143,3 +143,17 @@ def decide(device: torch.device, dtype: torch.dtype, group: int, head_dim_qk: in
     else:
         selected = False
     return Route(ranges=ranges, selected=selected, compute=compute_dtype(dtype))
+
+
+def rope_on_kernels(device: torch.device, dtype: torch.dtype, range_backend: str = "auto") -> bool:
+    """Whether NSAAttention.project rotates q and k (RoPE) with its Triton kernel (optimized/kernels/rope.py):
+    under range_backend's rule for every other stage ("auto": CUDA tensors of a kernel dtype; "triton": forced;
+    "torch": never)."""
+    check_backend("range_backend", range_backend)
+    if range_backend == "triton":
+        check_kernels_run_on("range_backend", device)
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"range_backend='triton' runs the Triton RoPE kernel, which takes fp32/bf16/fp16 "
+                             f"inputs, got {dtype}")
+        return True
+    return range_backend == "auto" and auto_picks_kernels(device, dtype)

@@ -13,7 +13,7 @@ from reference.contract import KV, BranchKV, NSAOutput, PhiWeights
 from reference.module import NSAAttention as ReferenceNSAAttention
 from reference.module import apply_rope, token_positions
 
-from .dispatch import check_backend
+from .dispatch import check_backend, rope_on_kernels
 from .forward import BRANCHES, check_branches, nsa_forward
 
 
@@ -23,6 +23,16 @@ def cast_once_for_autocast(x: Tensor) -> Tensor:
     if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
         return x.to(torch.get_autocast_dtype(x.device.type))
     return x
+
+
+def rotate(x: Tensor, positions: Tensor, base: float, range_backend: str = "auto") -> Tensor:
+    """RoPE: reference.module.apply_rope(x, positions, base), bitwise, on its Triton kernel (one launch each way)
+    where dispatch.rope_on_kernels says so, else that torch expression."""
+    if rope_on_kernels(x.device, x.dtype, range_backend):
+        from .kernels.rope import apply_rope_kernel
+
+        return apply_rope_kernel(x, positions, base)
+    return apply_rope(x, positions, base)
 
 
 class NSAAttention(ReferenceNSAAttention):
@@ -46,9 +56,9 @@ class NSAAttention(ReferenceNSAAttention):
                 cu_seqlens: Tensor | None = None) -> tuple[Tensor, BranchKV, Tensor]:
         """reference.NSAAttention.project with fewer kernels: q and the three branches' k and v come from one
         matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
-        computed once). Under autocast x is cast once, for that matmul and the gate MLP, so backward keeps one
-        low-precision copy of x instead of one per matmul, and the gate MLP's hidden activations are recomputed
-        in backward. q and k are views of RoPE's output; v is copied out of the matmul's output, so what
+        computed once; one Triton launch each way on the kernel path: `rotate`). Under autocast x is cast once,
+        for that matmul and the gate MLP, so backward keeps one low-precision copy of x instead of one per matmul,
+        and the gate MLP's hidden activations are recomputed in backward. q and k are views of RoPE's output; v is copied out of the matmul's output, so what
         backward keeps of it is v alone (the pre-RoPE q and k are not kept alive through views). The same
         parameters and the same function; only the matmul's blocking may round differently."""
         B, T, _ = x.shape
@@ -63,7 +73,7 @@ class NSAAttention(ReferenceNSAAttention):
         # torch.split rather than slices: backward concatenates the parts' gradients into one tensor, where each
         # slice would zero-fill a gradient of the whole tensor and the parts would then be added.
         y_qk, y_v = y.split([n_qk, len(BRANCHES) * Hkv * dv], dim=-1)
-        qk = apply_rope(y_qk.view(B, T, Hq + len(BRANCHES) * Hkv, dk), positions, self.rope_base)
+        qk = rotate(y_qk.view(B, T, Hq + len(BRANCHES) * Hkv, dk), positions, self.rope_base, self.range_backend)
         q, *ks = qk.split([Hq] + [Hkv] * len(BRANCHES), dim=2)
         vs = y_v.contiguous().view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})

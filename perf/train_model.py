@@ -32,9 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from optimized.module import cast_once_for_autocast
+from optimized.module import cast_once_for_autocast, rotate
 from reference.config import NSAConfig
-from reference.module import apply_rope, token_positions
+from reference.module import token_positions
 from sentinels.config import RunConfig, load_config
 from sentinels.model import LayerStats, NSALayerAttention
 from sentinels.trainer import Trainer
@@ -141,8 +141,8 @@ class DenseAttention(nn.Module):
         B, T, _ = x.shape
         x = cast_once_for_autocast(x)
         positions = token_positions(T, position_offset, None, B, x.device)
-        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim_qk), positions, self.rope_base)
-        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim_qk), positions, self.rope_base)
+        q = rotate(self.q_proj(x).view(B, T, self.n_heads, self.head_dim_qk), positions, self.rope_base)
+        k = rotate(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim_qk), positions, self.rope_base)
         return q, k, self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim_v)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -1,0 +1,124 @@
+"""The RoPE kernel (optimized/kernels/rope.py) against the torch expression it replaces, reference.module.apply_rope:
+the output and the input's gradient must be IDENTICAL (bitwise), for contiguous inputs and for the strided q/k view of
+a projection's output, at position offsets, odd half widths and every kernel dtype. Then the module path:
+NSAAttention.project and the dense benchmark layer run the kernel where dispatch says so, with the same q and k as
+the torch expression.
+
+Without CUDA the kernel runs in Triton's interpreter on fp32 and fp16; bf16 needs the GPU (the interpreter
+truncates fp32 -> bf16 where the GPU and torch round to nearest even). With CUDA every case runs compiled
+(`pytest tests/kernels/test_kernel_rope.py` on a GPU host), larger shapes included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optimized.kernels.rope as rope_module
+from optimized import dispatch
+from optimized.kernels.rope import apply_rope_kernel
+from optimized.module import NSAAttention, rotate
+from reference.config import NSAConfig
+from reference.module import apply_rope
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_gpu_rounding = pytest.mark.skipif(not CUDA, reason="the interpreter truncates fp32 -> bf16 (module docstring)")
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=needs_gpu_rounding)]
+# (B, T, H, D, first position)
+SHAPES = [(2, 7, 3, 8, 0), (1, 13, 5, 6, 40), (3, 4, 1, 2, 1)]
+if CUDA:
+    SHAPES += [(2, 1000, 18, 64, 0), (1, 513, 5, 128, 7), (1, 4096, 14, 64, 4096)]
+
+
+def both_ways(rotation, x: torch.Tensor, positions: torch.Tensor, dy: torch.Tensor):
+    """rotation(x) and the gradient of x for the output gradient dy."""
+    leaf = x.detach().clone().requires_grad_(True)
+    y = rotation(leaf, positions, 500.0)
+    y.backward(dy)
+    return y.detach(), leaf.grad
+
+
+def draw(shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_equals_the_torch_expression(shape, dtype) -> None:
+    B, T, H, D, first = shape
+    x = draw((B, T, H, D), dtype, seed=T + H)
+    dy = draw((B, T, H, D), dtype, seed=T + H + 1)
+    positions = torch.arange(first, first + T, device=DEVICE)
+    y_ref, dx_ref = both_ways(apply_rope, x, positions, dy)
+    y, dx = both_ways(apply_rope_kernel, x, positions, dy)
+    assert y.is_contiguous() and y.shape == x.shape and y.dtype == dtype
+    assert torch.equal(y, y_ref), (y.float() - y_ref.float()).abs().max()
+    assert torch.equal(dx, dx_ref), (dx.float() - dx_ref.float()).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_view_of_a_projection_output(dtype) -> None:
+    """x as NSAAttention.project hands it: the q/k columns of a wider matmul output, viewed as heads (its token
+    stride is the whole row), here with two batch rows."""
+    B, T, H, D, extra = 2, 9, 4, 8, 12
+    y_full = draw((B, T, H * D + extra), dtype, seed=5)
+    x = y_full[..., :H * D].view(B, T, H, D)
+    assert not x.is_contiguous()
+    dy = draw((B, T, H, D), dtype, seed=6)
+    positions = torch.arange(3, 3 + T, device=DEVICE)
+    y_ref, dx_ref = both_ways(apply_rope, x, positions, dy)
+    y, dx = both_ways(apply_rope_kernel, x, positions, dy)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+
+
+def test_bad_inputs_raise_value_errors() -> None:
+    positions = torch.arange(4, device=DEVICE)
+    with pytest.raises(ValueError, match="even D"):
+        apply_rope_kernel(torch.zeros((1, 4, 2, 5), device=DEVICE), positions)
+    with pytest.raises(ValueError, match="even D"):
+        apply_rope_kernel(torch.zeros((1, 4, 2, 4), dtype=torch.float64, device=DEVICE), positions)
+    with pytest.raises(ValueError, match=r"positions must be \[T\] = \[4\]"):
+        apply_rope_kernel(torch.zeros((1, 4, 2, 4), device=DEVICE), positions[:3])
+
+
+def test_rope_dispatch() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not dispatch.rope_on_kernels(cpu, torch.float32, "auto"), "auto: CUDA tensors only"
+    assert not dispatch.rope_on_kernels(cuda, torch.float64, "auto"), "auto: kernel dtypes only"
+    assert not dispatch.rope_on_kernels(cuda, torch.bfloat16, "torch")
+    assert dispatch.rope_on_kernels(cuda, torch.bfloat16, "auto") == dispatch.auto_picks_kernels(cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="takes fp32/bf16/fp16"):
+        dispatch.rope_on_kernels(torch.device(DEVICE), torch.float64, "triton")
+    with pytest.raises(ValueError, match="range_backend must be one of"):
+        dispatch.rope_on_kernels(cpu, torch.float32, "cuda")
+
+
+def test_module_projection_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NSAAttention.project with range_backend="triton" rotates with the kernel (one call for q and the three
+    branch keys), and gives q, k and their gradients bitwise as with range_backend="torch"."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_sel=2, n_init=1, n_local=1, window=8, n_heads=4,
+                    n_kv_heads=2, head_dim_qk=8, head_dim_v=6, phi="avg")
+    torch.manual_seed(0)
+    layers = {b: NSAAttention(16, cfg, range_backend=b).to(DEVICE) for b in ("torch", "triton")}
+    layers["triton"].load_state_dict(layers["torch"].state_dict())
+    x = torch.randn(2, 11, 16, device=DEVICE)
+    calls = []
+    real = rope_module.apply_rope_kernel
+    monkeypatch.setattr(rope_module, "apply_rope_kernel", lambda *a: calls.append(a[0].shape) or real(*a))
+    grads = {}
+    for backend, layer in layers.items():
+        leaf = x.clone().requires_grad_(True)
+        q, kv, _ = layer.project(leaf, position_offset=5)
+        (q.sum() + 2 * kv.cmp.k.sum() + 3 * kv.slc.k.sum() + 4 * kv.win.k.sum()).backward()
+        grads[backend] = (q.detach(), kv.cmp.k.detach(), kv.slc.k.detach(), kv.win.k.detach(), leaf.grad)
+    assert calls == [(2, 11, 4 + 3 * 2, 8)], calls
+    assert all(torch.equal(a, b) for a, b in zip(grads["torch"], grads["triton"]))
+
+
+def test_rotate_takes_the_torch_expression_off_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rope_module, "apply_rope_kernel", lambda *a: pytest.fail("the kernel must not run"))
+    x = torch.randn(1, 5, 2, 4)
+    assert torch.equal(rotate(x, torch.arange(5), 100.0, "torch"), apply_rope(x, torch.arange(5), 100.0))
+    assert torch.equal(rotate(x.double(), torch.arange(5), 100.0), apply_rope(x.double(), torch.arange(5), 100.0))
