@@ -135,3 +135,28 @@ def test_gpu_selection_indices_fused_equal_the_torch_code(packed: bool, dtype: t
                                 "chunked_identical": bool(torch.equal(fused, chunked))})
     assert differing == 0, f"{differing} (row, group)s differ"
     assert torch.equal(fused, chunked), "the fused selection depends on the chunks"
+
+
+def test_gpu_width_segments_equal_the_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paper heads at T = 32768 (512 selection blocks): the top-n kernel runs in segments of rows by width (128,
+    256 and 512 block keys), and the indices still equal the torch code's on the same call's scores."""
+    from optimized.kernels import selection as selection_module
+
+    cfg = PAPER_HEADS
+    T = 32768
+    x = make_inputs(cfg, T, seed=13, dtype=torch.bfloat16, device=DEVICE, phi_hidden=64)
+    widths = []
+    real = selection_module.select_top_n
+    monkeypatch.setattr(selection_module, "select_top_n",
+                        lambda p, lo, hi, cur, nb, *a, **k: widths.append(nb) or real(p, lo, hi, cur, nb, *a, **k))
+    with torch.no_grad():
+        k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi)[0]
+        fused, fused_ms = timed(lambda: O.selection_indices(x.q, k_cmp, cfg, range_backend="triton"))
+        reference, torch_ms = timed(lambda: O.select_blocks(
+            O.selection_scores(x.q, k_cmp, cfg, range_backend="triton"), cfg))
+    assert {128, 256, 512} <= set(widths), sorted(set(widths))
+    differing = int((fused != reference).any(-1).sum())
+    REPORT["selection"].append({"case": f"paper heads T={T} single {torch.bfloat16}, top-n in width segments",
+                                "differing": differing, "fused_ms": fused_ms, "torch_ms": torch_ms,
+                                "chunked_identical": "-"})
+    assert differing == 0, f"{differing} (row, group)s differ"
