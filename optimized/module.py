@@ -58,9 +58,10 @@ class NSAAttention(ReferenceNSAAttention):
         matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
         computed once; one Triton launch each way on the kernel path: `rotate`). Under autocast x is cast once,
         for that matmul and the gate MLP, so backward keeps one low-precision copy of x instead of one per matmul,
-        and the gate MLP's hidden activations are recomputed in backward. q and k are views of RoPE's output; v is copied out of the matmul's output, so what
-        backward keeps of it is v alone (the pre-RoPE q and k are not kept alive through views). The same
-        parameters and the same function; only the matmul's blocking may round differently."""
+        and the gate MLP's hidden activations are recomputed in backward. q and k are views of RoPE's output; v
+        is copied out of the matmul's output, so what backward keeps of it is v alone (the pre-RoPE q and k are
+        not kept alive through views). The same parameters and the same function; only the matmul's blocking may
+        round differently."""
         B, T, _ = x.shape
         cfg = self.cfg
         Hq, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
