@@ -86,6 +86,17 @@ def _torch_only(what: str, shape: dict[str, int], limit: str) -> bool:
     return False
 
 
+def forced_range_kernels(device: torch.device, dtype: torch.dtype, range_backend: str, kernels: str) -> bool:
+    """Whether range_backend forces the kernels ("triton"), after checking that they run on this device and take
+    this dtype (ValueError: "range_backend='triton' runs <kernels> fp32/bf16/fp16 inputs, got <dtype>")."""
+    if range_backend != "triton":
+        return False
+    check_kernels_run_on("range_backend", device)
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"range_backend='triton' runs {kernels} fp32/bf16/fp16 inputs, got {dtype}")
+    return True
+
+
 @dataclass(frozen=True)
 class Route:
     """Where one call runs. ranges: the compressed and window branches, the selection (Eq. 8-11) and Eq. 5 on the
@@ -120,11 +131,7 @@ def decide(device: torch.device, dtype: torch.dtype, group: int, head_dim_qk: in
     dims_fit = max(head_dim_qk, head_dim_v) <= MAX_KERNEL_HEAD_DIM
     limit = f"head dims up to {MAX_KERNEL_HEAD_DIM}"
 
-    if range_backend == "triton":
-        check_kernels_run_on("range_backend", device)
-        if dtype not in KERNEL_DTYPES:
-            raise ValueError(f"range_backend='triton' runs the Triton range kernels, which take fp32/bf16/fp16 "
-                             f"inputs, got {dtype}")
+    if forced_range_kernels(device, dtype, range_backend, "the Triton range kernels, which take"):
         ranges = True
     elif range_backend == "auto" and kernels:
         ranges = dims_fit or _torch_only("the compressed and window branches and the selection", dims, limit)
@@ -148,12 +155,8 @@ def decide(device: torch.device, dtype: torch.dtype, group: int, head_dim_qk: in
 def rope_on_kernels(device: torch.device, dtype: torch.dtype, range_backend: str = "auto") -> bool:
     """Whether NSAAttention.project rotates q and k (RoPE) with its Triton kernel (optimized/kernels/rope.py):
     under range_backend's rule for every other stage ("auto": CUDA tensors of a kernel dtype; "triton": forced;
-    "torch": never)."""
+    "torch": never). RoPE takes every head dim, so no shape limit applies."""
     check_backend("range_backend", range_backend)
-    if range_backend == "triton":
-        check_kernels_run_on("range_backend", device)
-        if dtype not in KERNEL_DTYPES:
-            raise ValueError(f"range_backend='triton' runs the Triton RoPE kernel, which takes fp32/bf16/fp16 "
-                             f"inputs, got {dtype}")
+    if forced_range_kernels(device, dtype, range_backend, "the Triton RoPE kernel, which takes"):
         return True
     return range_backend == "auto" and auto_picks_kernels(device, dtype)
