@@ -28,8 +28,7 @@ from torch import Tensor
 from reference.module import rope_angles
 
 from ..dispatch import KERNEL_DTYPES
-
-ROWS = 64  # (token, head) rows of a program
+from .common import row_pass_shape
 
 
 @triton.jit
@@ -66,9 +65,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     y = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     n_rows = B * T * H
     if n_rows:
-        _rope_kernel[(triton.cdiv(n_rows, ROWS),)](
+        block, rows = row_pass_shape(D)  # a row pass over the (token, head) rows; each loads two halves of block / 2
+        _rope_kernel[(triton.cdiv(n_rows, rows),)](
             x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), n_rows, T, H,
-            HALF=D // 2, BLOCK_HALF=triton.next_power_of_2(D // 2), ROWS=ROWS, INVERSE=inverse,
+            HALF=D // 2, BLOCK_HALF=block // 2, ROWS=rows, INVERSE=inverse,
             num_warps=4, enable_fp_fusion=False,  # every product and sum rounded on its own, as in torch
         )
     return y
