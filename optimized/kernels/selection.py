@@ -50,6 +50,7 @@ one of those changes the torch path only.
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -407,33 +408,48 @@ def selection_indices_rows(q: Tensor, k_cmp: Tensor, cfg: NSAConfig, positions: 
     rows = selection_rows(q, k_cmp.detach().to(q.dtype), cfg, positions, docs, cmp_softmax, first_position)
     current = masks.current_sel_block(rows.relative, cfg)
     B, TQ = q.shape[:2]
-    # J of every row on the host (one sequence: the same seam on the host's positions), for width_segments
-    host_current = (masks.current_sel_block(torch.arange(first_position, first_position + TQ), cfg)
-                    if first_position is not None and docs is None else None)
+    segments = (sequence_width_segments(first_position, TQ, n_sel_blocks, cfg, masks.current_sel_block,
+                                        MIN_SEGMENT_BLOCKS)
+                if first_position is not None and docs is None else ((0, TQ, n_sel_blocks),))
     out = torch.empty((B, TQ, cfg.n_kv_heads, cfg.n_sel), dtype=torch.int64, device=q.device)
     for q0, q1 in kernel_chunks(rows.widths, B * cfg.n_kv_heads * 4, chunk_size):
         p = rows.group_scores(q0, q1, zero_fill=False)
-        for s0, s1, n_blocks in width_segments(host_current, q0, q1, n_sel_blocks):
-            select_top_n(p[:, s0 - q0:s1 - q0], rows.lo[s0:s1], rows.hi[s0:s1], current[s0:s1], n_blocks, cfg,
-                         out=out[:, s0:s1])
+        for s0, s1, n_blocks in segments:  # the chunk's part of each segment
+            s0, s1 = max(s0, q0), min(s1, q1)
+            if s0 < s1:
+                select_top_n(p[:, s0 - q0:s1 - q0], rows.lo[s0:s1], rows.hi[s0:s1], current[s0:s1], n_blocks, cfg,
+                             out=out[:, s0:s1])
     return out
 
 
 MIN_SEGMENT_BLOCKS = 128  # narrower key tiles are not split further: a launch per few rows would cost more
 
 
-def width_segments(current: Tensor | None, q0: int, q1: int, n_blocks: int) -> list[tuple[int, int, int]]:
+def width_segments(current: Tensor | None, q0: int, q1: int, n_blocks: int,
+                   min_blocks: int = MIN_SEGMENT_BLOCKS) -> list[tuple[int, int, int]]:
     """Rows q0..q1-1 as (s0, s1, blocks) segments for the top-n kernel: consecutive rows whose J + 1 (current,
-    int64 [TQ] on the host) pads to the same power of two (at least MIN_SEGMENT_BLOCKS), each ranking
-    blocks = the segment's largest J + 1 (at most n_blocks) instead of n_blocks. A row's selection does not depend
-    on the blocks past its J (none of them is a candidate), so every segment gives the indices one launch over all
-    n_blocks would. Without the host J (current None) the rows stay one segment of n_blocks."""
-    if current is None or q1 <= q0 or n_blocks <= MIN_SEGMENT_BLOCKS:
+    int64 [TQ] on the host) pads to the same power of two (at least min_blocks), each ranking blocks = the
+    segment's largest J + 1 (at most n_blocks) instead of n_blocks. A row's selection does not depend on the blocks
+    past its J (none of them is a candidate), so every segment gives the indices one launch over all n_blocks
+    would. Without the host J (current None) the rows stay one segment of n_blocks."""
+    if current is None or q1 <= q0 or n_blocks <= min_blocks:
         return [(q0, q1, n_blocks)]
     needed = (current[q0:q1] + 1).clamp(min=1, max=max(n_blocks, 1))
-    pads = torch.log2(needed.double()).ceil().clamp(min=math.log2(MIN_SEGMENT_BLOCKS))  # exponent of the padded width
+    pads = torch.log2(needed.double()).ceil().clamp(min=math.log2(min_blocks))  # exponent of the padded width
     cuts = [0, *(torch.nonzero(pads[1:] != pads[:-1]).flatten() + 1).tolist(), q1 - q0]
     return [(q0 + a, q0 + b, min(n_blocks, int(needed[a:b].max()))) for a, b in zip(cuts, cuts[1:])]
+
+
+@functools.lru_cache(maxsize=64)
+def sequence_width_segments(first_position: int, n_rows: int, n_blocks: int, cfg: NSAConfig, current_sel_block,
+                            min_blocks: int) -> tuple[tuple[int, int, int], ...]:
+    """width_segments of rows 0..n_rows-1 of one sequence starting at first_position, J from the seam
+    current_sel_block (the function masks holds at call time) on the host's positions. Every layer and step asks
+    for the same segments, so they are built once per shape, config, seam and min_blocks, as
+    range_attention.sequence_ranges builds the ranges. A chunk launches its part of each segment with the segment's
+    width (a chunk's few first rows may rank more blocks than they have; the indices do not depend on it)."""
+    current = current_sel_block(torch.arange(first_position, first_position + n_rows), cfg)
+    return tuple(width_segments(current, 0, n_rows, n_blocks, min_blocks))
 
 
 @torch.no_grad()

@@ -408,3 +408,6 @@ def test_width_segments_give_the_indices_of_one_launch(monkeypatch: pytest.Monke
     monkeypatch.setattr(top_n_module, "MIN_SEGMENT_BLOCKS", 1)
     assert torch.equal(selection(x, k_cmp, cfg), whole)
     assert blocks == [(16, 1), (16, 2), (32, 4), (26, 6)], blocks  # rows 0-15: J = 0; 16-31: 1; 32-63: 2-3; 64-89
+    blocks.clear()
+    assert torch.equal(selection(x, k_cmp, cfg, chunk_size=10), whole), "chunks cutting the segments"
+    assert blocks[:3] == [(10, 1), (6, 1), (4, 2)] and sum(rows for rows, _ in blocks) == 90, blocks
