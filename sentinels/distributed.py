@@ -60,6 +60,12 @@ def init_distributed(device_type: str) -> DistInfo:
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     initialized_here = False
     if not dist.is_initialized():
+        # torch.distributed.nn's functions take `group=group.WORLD` as a default argument, evaluated when the module
+        # is first imported (torch._dynamo imports it, e.g. on the first init of a tensor on the meta device). Imported
+        # after the group exists, ten defaults hold the default group for good: destroy_process_group cannot free it,
+        # and its backend's threads are only stopped in interpreter teardown, where a rank can abort (SIGABRT).
+        import torch.distributed.nn  # noqa: F401
+
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
         initialized_here = True
     return DistInfo(rank, world, local, initialized_here)

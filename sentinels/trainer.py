@@ -879,6 +879,8 @@ class Trainer:
         if self.dist.initialized_here and dist.is_initialized():
             if getattr(self, "_ended_normally", False) or getattr(self, "_stopped_together", False):
                 dist.barrier()
+            if hasattr(self, "net"):  # the DDP wrapper holds the group: drop it, so that destroying the group frees it
+                self.net = self.model
             dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ Imported, `launch(...)` starts every rank of one run on a free port, each with i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -113,6 +114,8 @@ def main() -> None:
     parser.add_argument("--log-writes")
     parser.add_argument("--at-step")
     parser.add_argument("--dump")
+    parser.add_argument("--threads-after", help="a folder: each rank writes the names of its threads (Linux) there "
+                                                "when the command has returned, before the interpreter exits")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -120,7 +123,12 @@ def main() -> None:
     _plant(args)
     from sentinels.cli import main as sentinels_main
 
-    sys.exit(sentinels_main(command))
+    code = sentinels_main(command)
+    if args.threads_after:
+        tasks = Path("/proc/self/task")
+        names = sorted((tasks / task / "comm").read_text().strip() for task in os.listdir(tasks))
+        (Path(args.threads_after) / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(names))
+    sys.exit(code)
 
 
 # ------------------------------------------------------------------------------------------ the launcher

@@ -50,9 +50,23 @@ def _run(tmp: Path, name: str, faults: list[str] = (), *, resume: bool = False, 
     out, dumps = tmp / name, tmp / f"{name}.dumps"
     dumps.mkdir(parents=True, exist_ok=True)
     command = _train_args(out, *extra) + (["--resume"] if resume else [])
+    threads = tmp / f"{name}.threads"
+    threads.mkdir(exist_ok=True)
     run = launch(tmp / f"{name}.logs" / ("resume" if resume else "first"), command,
-                 faults=[*faults, "--dump", str(dumps), "--log-writes", str(tmp / f"{name}.writes")])
+                 faults=[*faults, "--dump", str(dumps), "--log-writes", str(tmp / f"{name}.writes"),
+                         "--threads-after", str(threads)])
     return out, dumps, run.wait(timeout)
+
+
+def group_threads(folder: Path) -> dict[int, list[str]]:
+    """Each rank's threads of the process group (gloo, the TCP store, NCCL) still running when its command had
+    returned (written by the rank itself: distributed_ranks.py --threads-after). A group that the trainer's close
+    did not free is torn down with the interpreter, where a rank can abort (SIGABRT) while its peer exits."""
+    found = {}
+    for rank in range(2):
+        names = json.loads((folder / f"rank{rank}.json").read_text())
+        found[rank] = [n for n in names if any(k in n for k in ("gloo", "tcpstore", "nccl"))]
+    return found
 
 
 def _dumps(path: Path) -> list[dict]:
@@ -86,6 +100,11 @@ def uninterrupted(tmp_path_factory):
     out, dumps, results = _run(tmp, "full")
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
     return tmp, out, _dumps(dumps)
+
+
+def test_every_rank_has_freed_its_process_group_when_a_run_ends(uninterrupted):
+    tmp, _, _ = uninterrupted
+    assert group_threads(tmp / "full.threads") == {0: [], 1: []}
 
 
 # -- equivalence ------------------------------------------------------------------------------------------------
@@ -208,9 +227,12 @@ def _error_lines(text: str) -> list[str]:
 
 def test_a_refusal_of_the_launch_gate_stops_every_rank_with_one_message(tmp_path):
     """A long run without a GO record: every rank checks the record, every rank stops, rank 0 says why once."""
-    out = tmp_path / "long"
-    results = launch(tmp_path / "logs", _train_args(out, "train.steps=5000", "train.save_every=500")).wait(120)
+    out, threads = tmp_path / "long", tmp_path / "threads"
+    threads.mkdir()
+    results = launch(tmp_path / "logs", _train_args(out, "train.steps=5000", "train.save_every=500"),
+                     faults=["--threads-after", str(threads)]).wait(120)
     assert [r.returncode for r in results] == [2, 2]
+    assert group_threads(threads) == {0: [], 1: []}  # the gate builds a model on the meta device (torch._dynamo)
     lines = _error_lines(results[0].stderr)
     assert len(lines) == 1 and "refusing a 5000-step run" in lines[0] and "no GO record" in lines[0], lines
     assert _error_lines(results[1].stderr) == [] and "Traceback" not in results[1].stderr
