@@ -35,8 +35,14 @@ CFG = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_sel=3, n_init=1, n_lo
 
 
 def ranges_of(kind: str, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(lo, hi, n_keys) of one test layout: the window, the compressed branch, or both over packed documents."""
+    """(lo, hi, n_keys) of one test layout: the window, the compressed branch, or both over packed documents; or
+    ranges wide enough that whole key tiles lie inside every row of a tile (the tiles the kernels read unmasked):
+    a window of 40 keys, and prefixes [0, p - 8] (empty for the first 8 rows)."""
     positions = torch.arange(T)
+    if kind == "wide-window":
+        return (positions - 39).clamp(min=0), positions, T
+    if kind == "wide-prefix":
+        return torch.zeros_like(positions), (positions - 8).clamp(min=-1), T
     if kind == "window":
         lo, hi = window_ranges(positions, CFG)
         return lo, hi, T
@@ -63,7 +69,7 @@ def random_inputs(B: int, TQ: int, TK: int, Hq: int, Hkv: int, dk: int, dv: int,
     return rnd(B, TQ, Hq, dk), rnd(B, TK, Hkv, dk), rnd(B, TK, Hkv, dv)
 
 
-LAYOUTS = ["window", "window-packed", "compressed", "compressed-packed"]
+LAYOUTS = ["window", "window-packed", "compressed", "compressed-packed", "wide-window", "wide-prefix"]
 
 
 # Ranges from the convention seams ------------------------------------------------------------------------------
@@ -119,11 +125,12 @@ def test_reading_rows_are_the_rows_that_can_read_each_key_tile() -> None:
 # The kernels against the dense oracle ------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)], ids=["group3", "group1", "group3-one-kv-head"])
-def test_forward_matches_the_dense_oracle(layout: str, heads, poisoned_empty: None) -> None:
+@pytest.mark.parametrize("dims", [(12, 8), (16, 16)], ids=["d12-8", "d16"])  # padded head dims, and whole ones
+def test_forward_matches_the_dense_oracle(layout: str, heads, dims, poisoned_empty: None) -> None:
     T = 45
     lo, hi, n_keys = ranges_of(layout, T)
     B = 1 if layout.endswith("packed") else 2
-    q, k, v = random_inputs(B, T, n_keys, heads[0], heads[1], 12, 8, seed=len(layout) + heads[0])
+    q, k, v = random_inputs(B, T, n_keys, heads[0], heads[1], *dims, seed=len(layout) + heads[0])
     o, lse = triton_range_attention(q, k, v, lo.to(DEVICE), hi.to(DEVICE))
     empty = (hi < lo).to(DEVICE)
     assert torch.isfinite(o).all(), "o has unwritten (NaN) elements"
@@ -139,11 +146,12 @@ def test_forward_matches_the_dense_oracle(layout: str, heads, poisoned_empty: No
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_backward_matches_the_dense_oracle(layout: str, poisoned_empty: None) -> None:
+@pytest.mark.parametrize("dims", [(12, 8), (16, 16)], ids=["d12-8", "d16"])
+def test_backward_matches_the_dense_oracle(layout: str, dims, poisoned_empty: None) -> None:
     T = 45
     lo, hi, n_keys = ranges_of(layout, T)
-    q, k, v = random_inputs(1, T, n_keys, 6, 2, 12, 8, seed=3)
-    do = torch.randn((1, T, 6, 8), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    q, k, v = random_inputs(1, T, n_keys, 6, 2, *dims, seed=3)
+    do = torch.randn((1, T, 6, dims[1]), generator=torch.Generator().manual_seed(4)).to(DEVICE)
 
     def grads(fn, dtype):
         leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
@@ -310,12 +318,14 @@ def test_gpu_launch_table_covers_every_kernel_and_width(monkeypatch: pytest.Monk
         range_tiling(64, 64, torch.bfloat16, "backward")
 
 
+@pytest.mark.parametrize("layout", ["compressed-packed", "wide-prefix"])
 @pytest.mark.parametrize("split, consistent_d", [(1, False), (2, True), (5, True), (5, False)])
-def test_dkdv_split_over_rows_matches_the_oracle(split: int, consistent_d: bool, poisoned_empty: None) -> None:
+def test_dkdv_split_over_rows_matches_the_oracle(layout: str, split: int, consistent_d: bool,
+                                                 poisoned_empty: None) -> None:
     """The compressed branch's few key tiles split their reading rows over several programs (fp32 workspace,
     summed in a fixed order): the same gradients as the dense oracle, every key written, deterministic; with D
     from rowsum(dO * O) (half precision's) or made consistent in the dq pass (fp32's)."""
-    lo, hi, n_keys = ranges_of("compressed-packed", 45)
+    lo, hi, n_keys = ranges_of(layout, 45)
     lo32, hi32 = lo.to(torch.int32).to(DEVICE), hi.to(torch.int32).to(DEVICE)
     q, k, v = random_inputs(1, 45, n_keys, 6, 2, 12, 8, seed=9)
     o, lse2 = range_attention_forward(q, k, v, lo32, hi32, 0.25)
@@ -353,7 +363,8 @@ def check_backward_runs(runs, q, k, v, lo, hi, do, scale: float) -> None:
 
 
 @pytest.mark.parametrize("layout, heads, split", [("compressed-packed", 2, 1), ("compressed-packed", 4, 3),
-                                                  ("window", 4, 1), ("window-packed", 16, 2)])
+                                                  ("window", 4, 1), ("window-packed", 16, 2), ("wide-window", 4, 1),
+                                                  ("wide-prefix", 2, 3)])
 def test_heads_packed_in_a_step_match_the_oracle(layout: str, heads: int, split: int,
                                                  poisoned_empty: None) -> None:
     """dk/dv steps over (query row, head) columns of several heads of the group at once (RangeTiling.heads: 2
