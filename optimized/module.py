@@ -87,6 +87,28 @@ class NSAAttention(ReferenceNSAAttention):
         gates = torch.sigmoid(gate_logits).view(B, T, Hq, 3)
         return q, kv, gates
 
+    def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
+        """reference.NSAAttention.forward, with the output projection of project_output."""
+        return self.project_output(self.attention(x, position_offset, cu_seqlens=cu_seqlens).o)
+
+    def project_output(self, o: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """o_proj over the heads of the attention output o [B, T, Hq, d_v] (cast to dtype first, if given), without
+        keeping o for backward where Eq. 5's kernel made it: backward recomputes it, bitwise, with one more pass of
+        that kernel over the gates and branch outputs it keeps anyway (kernels.gated_sum.recomputed_in_backward),
+        T * Hq * d_v values fewer kept per layer. Under autocast, an o already in the autocast dtype goes to the
+        matmul as it is (a cast to dtype would only be cast back, two copies and their gradients)."""
+        B, T = o.shape[:2]
+        flat = o.reshape(B, T, -1)
+        if dtype is not None and not (torch.is_autocast_enabled(o.device.type)
+                                      and torch.get_autocast_dtype(o.device.type) == o.dtype):
+            flat = flat.to(dtype)
+        try:
+            from .kernels.gated_sum import recomputed_in_backward
+        except ImportError:  # no Triton: o came from the torch path and is kept as usual
+            return self.o_proj(flat)
+        with recomputed_in_backward(o):
+            return self.o_proj(flat)
+
     def functional_forward(self, q: Tensor, kv: BranchKV, gates: Tensor, phi: PhiWeights | None, *,
                            cu_seqlens: Tensor | None = None, indices: Tensor | None = None) -> NSAOutput:
         """The vectorized NSA; cu_seqlens: a packed batch, computed on the packed path directly (no loop over

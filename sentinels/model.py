@@ -213,6 +213,9 @@ class NSALayerAttention(nn.Module):
         if cu_seqlens is not None and self.debug.leak != "cross_document":
             block_offsets = _document_block_offsets(cu_seqlens, self.inner.cfg.sel_block)
         self.last_stats = _layer_stats(gates, out, self.inner.cfg, T, block_offsets)
+        project_output = getattr(self.inner, "project_output", None)  # optimized.NSAAttention's: o not kept
+        if project_output is not None:
+            return project_output(out.o, x.dtype)
         return self.inner.o_proj(out.o.reshape(B, T, -1).to(x.dtype))
 
 

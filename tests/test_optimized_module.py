@@ -4,6 +4,9 @@ same parameter gradients; a state_dict moves between the two modules."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -134,3 +137,65 @@ def test_rope_equals_the_rotation_written_with_slices(dtype):
     want.backward(grad_out)
     got.backward(grad_out)
     assert torch.equal(x.grad, x_ref.grad)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled, or in Triton's interpreter
+
+
+def _kernel_layer(seed: int) -> optimized.NSAAttention:
+    torch.manual_seed(seed)
+    layer = optimized.NSAAttention(24, CFG, gate_hidden=10, backend="triton", range_backend="triton")
+    with torch.no_grad():
+        layer.gate[-1].weight.normal_(0, 0.5)  # gates away from exactly 0.5
+    return layer.to(DEVICE)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_backward_keeps_no_reference_to_the_attention_output(autocast):
+    """On the kernels, the output projection's input (Eq. 5's output o) is recomputed in backward from the gates
+    and branch outputs Eq. 5's backward keeps, so once the forward has returned nothing holds o (under bf16
+    autocast too, where o goes to the matmul uncast); projecting o directly keeps it alive for backward."""
+    layer = _kernel_layer(5)
+    x = torch.randn(1, 19, 24, device=DEVICE, requires_grad=True)
+
+    def alive_after_forward(project) -> bool:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            o = layer.attention(x).o
+            y = project(o)
+        o_ref = weakref.ref(o)
+        del o
+        gc.collect()
+        alive = o_ref() is not None
+        y.float().sum().backward()
+        return alive
+
+    assert alive_after_forward(lambda o: layer.o_proj(o.reshape(1, 19, -1)))
+    assert not alive_after_forward(lambda o: layer.project_output(o, torch.float32))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recomputed_output_gives_bitwise_the_gradients_of_keeping_it(autocast):
+    """project_output's gradients (x and every parameter) equal, bit for bit, those of o_proj over a kept o."""
+    layer = _kernel_layer(6)
+    x = torch.randn(2, 21, 24, device=DEVICE)
+    g = torch.randn(2, 21, 24, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    grads = []
+    for project in (lambda o: layer.o_proj(o.reshape(2, 21, -1).to(x.dtype)),
+                    lambda o: layer.project_output(o, x.dtype)):
+        leaf = x.clone().requires_grad_(True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            y = project(layer.attention(leaf).o)
+        params = [leaf, *layer.parameters()]
+        grads.append([y, *torch.autograd.grad(y, params, g.to(y.dtype), allow_unused=True)])
+    for kept, recomputed in zip(*grads):
+        if kept is None:
+            assert recomputed is None
+            continue
+        assert torch.equal(kept, recomputed)
+
+
+def test_the_layer_forward_projects_with_project_output():
+    layer = _kernel_layer(8)
+    x = torch.randn(1, 17, 24, device=DEVICE)
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer.o_proj(layer.attention(x).o.reshape(1, 17, -1)))

@@ -18,6 +18,9 @@ torch's reduction kernel there), without the widened copies of do and each o_c a
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -176,7 +179,7 @@ class GatedSumFunction(torch.autograd.Function):
     def forward(ctx, gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, o_win: Tensor | None,
                 compute: torch.dtype, dtype: torch.dtype):
         ctx.save_for_backward(gates, o_cmp, o_slc, o_win)
-        ctx.compute = compute
+        ctx.compute, ctx.dtype = compute, dtype
         return gated_sum_forward(gates, o_cmp, o_slc, o_win, compute, dtype)
 
     @staticmethod
@@ -217,3 +220,47 @@ def gated_sum_kernel(gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, 
         raise ValueError(f"{where}: gates, o_cmp, o_slc, o_win must be on one device, got "
                          f"{[str(x.device) for _, x in named]}")
     return GatedSumFunction.apply(gates, o_cmp, o_slc, o_win, compute, dtype)
+
+
+class _Recomputed:
+    """What a saved view of an Eq. 5 output keeps in its place: the GatedSumFunction node that made the output and
+    the view's geometry."""
+
+    __slots__ = ("node", "size", "stride", "offset")
+
+    def __init__(self, node, view: Tensor):
+        self.node, self.size, self.stride, self.offset = node, view.size(), view.stride(), view.storage_offset()
+
+    def unpack(self) -> Tensor:
+        gates, o_cmp, o_slc, o_win = self.node.saved_tensors  # what the node keeps for its own backward
+        o = gated_sum_forward(gates, o_cmp, o_slc, o_win, self.node.compute, self.node.dtype)
+        return o.as_strided(self.size, self.stride, self.offset)
+
+
+@contextlib.contextmanager
+def recomputed_in_backward(o: Tensor) -> Iterator[None]:
+    """Inside: a tensor autograd saves that is o, the output of gated_sum_kernel, or a view of it (the output
+    projection's input) is not kept; backward recomputes it, bitwise, with one more pass of the Eq. 5 kernel over
+    the gates and branch outputs that o's own backward keeps anyway. Every other saved tensor is kept as usual, and
+    an o that gated_sum_kernel did not make (a torch-path output, a copy) is kept too. Where other saved-tensor
+    hooks are already active (activation checkpointing, offloading), saving is left to them: the recomputation
+    would unpack, ahead of its own backward, what Eq. 5's node saved through them, which they may allow only once."""
+    node = o.grad_fn
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # None: cannot tell, so no
+    if (getattr(node, "_forward_cls", None) is not GatedSumFunction or not torch.is_grad_enabled()
+            or top_hooks is None or top_hooks(False) is not None):
+        yield
+        return
+    # The hooks stay with what they packed until backward: they hold o's storage address, not o.
+    device, dtype, storage = o.device, o.dtype, o.untyped_storage().data_ptr()
+
+    def pack(t: Tensor):
+        same = t.device == device and t.dtype == dtype and t.untyped_storage().data_ptr() == storage
+        return _Recomputed(node, t) if same else t
+
+    def unpack(saved):
+        return saved.unpack() if isinstance(saved, _Recomputed) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
