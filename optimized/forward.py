@@ -6,7 +6,7 @@ the stages top to bottom:
   queries, so memory stays O(T * (w + n*l' + T/d)) per head), the outputs rounded once at the end;
 - the kernel path (_kernel_path): the Triton kernels on the inputs' own dtype with fp32 accumulation (the
   compressed and window branches on the range-attention kernel, Eq. 8-11 on the selection kernels, Eq. 5 on one
-  kernel); Eq. 7 stays in torch.
+  kernel); Eq. 7 stays in torch (its MLP over d-row chunks: compression.phi_mlp_chunked).
 The selected branch (Eq. 12) has its own switch (`backend`), so both paths run it through selected_branch, its one
 dispatch point. The files a prefill call on the kernel path crosses are listed, in order, in optimized/__init__.py.
 
@@ -158,7 +158,7 @@ def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Ph
     o_cmp = o_slc = o_win = reads_cmp = reads_slc = reads_win = None
     if "cmp" in branches or scoring:
         k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v if "cmp" in branches else None, cfg, phi,
-                                          docs=docs)  # Eq. 7
+                                          docs=docs, chunked=True)  # Eq. 7
         k_cmp, v_cmp = k_cmp.to(q.dtype), None if v_cmp is None else v_cmp.to(q.dtype)
         # Eq. 4 and Eq. 8's normaliser (without v_cmp: the normaliser only)
         o_cmp, cmp_softmax, reads = range_attention.compressed_branch(q, k_cmp, v_cmp, cfg, positions, docs,

@@ -1,0 +1,82 @@
+"""Eq. 7's phi MLP over chunks (optimized.compression.phi_mlp_chunked, the kernel path's): the function phi_mlp
+computes over the strided blocks, with the same gradients, for every m = l / d (NSAConfig has d | l); a row without
+a complete block, mean pooling and packed documents keep the blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimized import compression
+from optimized.documents import documents
+from reference.config import NSAConfig
+from reference.contract import PhiWeights
+
+
+def _cfg(l: int, d: int) -> NSAConfig:
+    return NSAConfig(cmp_block=l, cmp_stride=d, sel_block=max(l, 8), n_sel=2, n_init=0, n_local=1, window=8,
+                     n_heads=4, n_kv_heads=2, head_dim_qk=6, head_dim_v=6, phi="mlp")
+
+
+@pytest.mark.parametrize("l, d", [(8, 4), (6, 2), (4, 4), (12, 4)], ids=["m2", "m3", "m1", "m3-d4"])
+@pytest.mark.parametrize("T", [12, 31], ids=["T12", "T31"])
+def test_chunked_phi_is_the_blocks_phi_with_its_gradients(l: int, d: int, T: int) -> None:
+    cfg = _cfg(l, d)
+    g = torch.Generator().manual_seed(l * 100 + d * 10 + T)
+    x = torch.randn(2, T, 2, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = PhiWeights.init(cfg, 5, generator=g, dtype=torch.float64).k
+    leaves = [x, w.pos, w.w1, w.b1, w.w2, w.b2]
+    for t in leaves[1:]:
+        t.requires_grad_(True)
+    blocks = compression.phi_mlp(compression.block_windows(x, cfg), w)
+    chunked = compression.phi_mlp_chunked(x, w, cfg)
+    assert chunked.shape == blocks.shape == (2, (T - l) // d + 1, 2, 6)
+    torch.testing.assert_close(chunked, blocks, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(blocks.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(blocks, leaves, grad), torch.autograd.grad(chunked, leaves, grad)):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_compress_chunked_without_a_complete_block_gives_no_compressed_token() -> None:
+    cfg, T = _cfg(8, 4), 6
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, T, 2, 6, generator=g) for _ in range(2))
+    phi = PhiWeights.init(cfg, 5, generator=g)
+    for a, b in zip(compression.compress_unrounded(k, v, cfg, phi, chunked=True),
+                    compression.compress_unrounded(k, v, cfg, phi)):
+        assert a.shape == b.shape == (1, 0, 2, 6)
+
+
+def test_compress_chunked_takes_phi_mlp_only_over_independent_rows(monkeypatch) -> None:
+    """Mean pooling and packed documents keep their own code (the chunks assume one row of evenly spaced blocks)."""
+    def forbidden(*args):
+        raise AssertionError("phi_mlp_chunked ran")
+
+    monkeypatch.setattr(compression, "phi_mlp_chunked", forbidden)
+    cfg = _cfg(8, 4)
+    k = torch.randn(1, 20, 2, 6)
+    compression.compress_unrounded(k, None, cfg.replace(phi="avg"), chunked=True)
+    docs = documents(torch.tensor([0, 9, 20]), 20, 1, cfg, "cpu")
+    phi = PhiWeights.init(cfg, 5)
+    phi.k.w1.requires_grad_(True)
+    compression.compress_unrounded(k, None, cfg, phi, docs=docs, chunked=True)
+    with pytest.raises(AssertionError, match="phi_mlp_chunked ran"):
+        compression.compress_unrounded(k, None, cfg, phi, chunked=True)
+
+
+def test_compress_chunked_only_where_autograd_records_it(monkeypatch) -> None:
+    """A forward without gradients keeps the blocks' matmul (as fast there); with a gradient to take, the chunks."""
+    calls = []
+    real = compression.phi_mlp_chunked
+    monkeypatch.setattr(compression, "phi_mlp_chunked", lambda *a: calls.append(1) or real(*a))
+    cfg = _cfg(8, 4)
+    k = torch.randn(1, 20, 2, 6)
+    phi = PhiWeights.init(cfg, 5)
+    compression.compress_unrounded(k, None, cfg, phi, chunked=True)
+    assert not calls
+    compression.compress_unrounded(k.requires_grad_(True), None, cfg, phi, chunked=True)
+    assert calls
+    calls.clear()
+    with torch.no_grad():
+        compression.compress_unrounded(k, None, cfg, phi, chunked=True)
+    assert not calls
