@@ -63,6 +63,8 @@ def phi_mlp_chunked(x: Tensor, w: PhiMLPWeights, cfg: NSAConfig) -> Tensor:
     w1 = w.w1.to(cd)
     hidden = w1.shape[1]
     w1_parts = w1.view(m, d * D, hidden).permute(1, 0, 2).reshape(d * D, m * hidden)
+    # back to cd after the matmul (autocast returns its own dtype): the parts are summed in cd, as phi_mlp's
+    # matmul result meets b1 in cd
     parts = (chunks.to(cd) @ w1_parts).to(cd).view(B, n_chunks, H, m, hidden)
     pre = parts[:, :n_blocks, :, 0]
     for a in range(1, m):

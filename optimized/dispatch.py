@@ -52,7 +52,8 @@ def interpreting() -> bool:
 
 
 @functools.cache
-def _triton_imports() -> bool:
+def triton_imports() -> bool:
+    """Whether the triton package imports (looked up once per process)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -63,7 +64,7 @@ def _triton_imports() -> bool:
 def auto_picks_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether "auto" runs the kernels for tensors of this device and dtype: CUDA, a kernel dtype, Triton
     importable. (Tests that check what "auto" chooses on a GPU replace this function.)"""
-    return device.type == "cuda" and dtype in KERNEL_DTYPES and _triton_imports()
+    return device.type == "cuda" and dtype in KERNEL_DTYPES and triton_imports()
 
 
 def check_kernels_run_on(name: str, device: torch.device) -> None:

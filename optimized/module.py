@@ -13,7 +13,7 @@ from reference.contract import KV, BranchKV, NSAOutput, PhiWeights
 from reference.module import NSAAttention as ReferenceNSAAttention
 from reference.module import apply_rope, token_positions
 
-from .dispatch import check_backend, rope_on_kernels
+from .dispatch import check_backend, rope_on_kernels, triton_imports
 from .forward import BRANCHES, check_branches, nsa_forward
 
 
@@ -102,10 +102,10 @@ class NSAAttention(ReferenceNSAAttention):
         if dtype is not None and not (torch.is_autocast_enabled(o.device.type)
                                       and torch.get_autocast_dtype(o.device.type) == o.dtype):
             flat = flat.to(dtype)
-        try:
-            from .kernels.gated_sum import recomputed_in_backward
-        except ImportError:  # no Triton: o came from the torch path and is kept as usual
+        if not triton_imports():  # no Triton: o came from the torch path and is kept as usual
             return self.o_proj(flat)
+        from .kernels.gated_sum import recomputed_in_backward
+
         with recomputed_in_backward(o):
             return self.o_proj(flat)
 

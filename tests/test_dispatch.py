@@ -73,7 +73,7 @@ def test_a_shape_past_the_kernels_warns_once_naming_it(monkeypatch: pytest.Monke
 
 def test_cuda_without_triton_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setattr(dispatch, "_triton_imports", lambda: False)
+    monkeypatch.setattr(dispatch, "triton_imports", lambda: False)
     with pytest.warns(UserWarning, match="Triton does not import") as caught:
         where = dispatch.decide(CUDA, torch.bfloat16, 16, 128, 128)
         dispatch.decide(CUDA, torch.bfloat16, 8, 64, 64)

@@ -263,4 +263,3 @@ def recomputed_in_backward(o: Tensor) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
-
