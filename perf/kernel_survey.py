@@ -1,5 +1,5 @@
-"""Registers and stack (spills) of the lean decode kernels and the prefill range kernels compiled for an H100
-(sm_90) without a GPU.
+"""Registers and stack (spills) of the lean decode kernels and the prefill range and selected-attention kernels
+compiled for an H100 (sm_90) without a GPU, and whether the pipelined launches load their tiles asynchronously.
 
 Triton compiles a kernel for GPUTarget("cuda", 90, 32) with the ptxas it ships, and the cuobjdump it ships reads
 the cubin's resource usage. Pointers and the integer arguments a real launch specialises get divisibility-16 hints,
@@ -8,11 +8,15 @@ as at a launch. Must run without TRITON_INTERPRET (the interpreter replaces trit
 Why: a version of the lean step's gate kernel that unrolled 24-32 [16 x 128] fp32 tiles measured 40-56 us at batch 1
 on an H100 (perf/NOTES.md); its sm_90 compile used 5-8 KB of stack per thread. The cases below
 are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
-l = 32, d = 16, l' = 64, n = 16) that matter for speed, and the prefill range kernels' launches (prefill_cases);
+l = 32, d = 16, l' = 64, n = 16) that matter for speed, the prefill range kernels' launches (prefill_cases) and the
+selected-attention kernels' (selected_cases);
 `--require-no-spill` fails if any of them spills, beyond the few bytes one launch was measured fastest with (the
 paper layout's range dk/dv tile: 8 bytes, against a no-spill tile 8% slower; common.RANGE_MEASURED_STACK).
+`--require-pipelined` fails if a launch with num_stages > 1 leaves a tile load inside a loop synchronous: the
+selected dq kernel once loaded its key tile in a layout its second dot could not use from shared memory, Triton's
+pipeliner left that load synchronous, and the kernel ran 1.3x-1.5x slower (perf/NOTES.md).
 
-    python -m perf.kernel_survey [--require-no-spill]
+    python -m perf.kernel_survey [--require-no-spill] [--require-pipelined]
 """
 
 from __future__ import annotations
@@ -79,6 +83,13 @@ def resources(compiled) -> dict[str, int]:
     if set(found) != {"REG", "STACK"}:
         raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK:\n{text}")
     return {"registers": int(found["REG"]), "stack_bytes": int(found["STACK"])}
+
+
+# Bytes of stack per thread a selected-attention launch (kind, BLOCK_DK + BLOCK_DV) was measured fastest with
+# (perf.selected_probe, reports/perf/selected_launch): the paper layout's dq at one warp (255 registers; 2 warps or
+# wider key tiles measured slower) and dk/dv at 32 columns (no other setting within 20% at 64k tokens); prod-125m's
+# dk/dv at 128 columns (the fastest at 2k x 8, not at 16k x 1, under random selections).
+SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dkdv", 256): 96, ("dkdv", 128): 272}
 
 
 def lean_cases() -> list[Case]:
@@ -158,26 +169,97 @@ def prefill_cases() -> list[Case]:
     return cases
 
 
+def selected_cases() -> list[Case]:
+    """The selected-attention kernels' launches with the tilings optimized/kernels/common.py picks (bf16), at the
+    paper layout and prod-125m's (l' = 64): the forward, dq and dk/dv."""
+    import torch
+
+    from optimized.kernels.common import dkdv_tiling, dq_tiling, forward_tiling, heads_per_query
+    from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
+    from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
+                                                          _selected_attention_bwd_dq_kernel)
+
+    ptr = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK_OUT", "DV_OUT")}
+    ptr.update({name: "*fp32" for name in ("STATS", "DELTA", "DK_WS", "DV_WS")})
+    ptr.update({name: "*i32" for name in ("IDX", "DOC_START", "QUERY_ROWS", "ITEM_KEY", "ITEM_BEGIN", "ITEM_END",
+                                          "ITEM_SLOT", "BLOCK_BASE", "BLOCK_END")})
+
+    def pointers(kernel) -> dict:
+        return {k: v for k, v in ptr.items() if k in inspect.signature(kernel.fn).parameters}
+
+    cases = []
+    sel_block = 64
+    for group, d in ((16, 128), (6, 64)):
+        layout = f"G={group} d={d}"
+        block_h = triton.next_power_of_2(group)
+        dims = dict(GROUP=group, DK=d, DV=d, SEL_BLOCK=sel_block, BLOCK_DK=d, BLOCK_DV=d, DOT_FP32=False,
+                    INPUT_PRECISION="ieee", PACKED=False)
+        for kind, kernel, pick, flags in (
+                ("forward", _selected_attention_fwd_kernel, forward_tiling, {}),
+                ("dq", _selected_attention_bwd_dq_kernel, dq_tiling, dict(SPLIT_DS=True))):
+            t = pick(block_h, d, d, sel_block, torch.bfloat16)
+            cases.append(Case(f"selected {layout} {kind} {t.block_n} keys", kernel, pointers(kernel),
+                              dict(BLOCK_H=block_h, BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,
+                                   **flags, **dims), t.num_warps, t.num_stages,
+                              measured_stack=SELECTED_MEASURED_STACK.get((kind, 2 * d), 0)))
+        t = dkdv_tiling(group, d, d, sel_block, torch.bfloat16)
+        heads = heads_per_query(group)
+        cases.append(Case(f"selected {layout} dk/dv {t.block_n} x {t.block_cols}", _selected_attention_bwd_dkdv_kernel,
+                          pointers(_selected_attention_bwd_dkdv_kernel),
+                          dict(HEADS=heads, QUERIES_PER_STEP=t.block_cols // heads, BLOCK_COLS=t.block_cols,
+                               BLOCK_N=t.block_n, COMPENSATED=False, **dims), t.num_warps, t.num_stages,
+                          measured_stack=SELECTED_MEASURED_STACK.get(("dkdv", 2 * d), 0)))
+    return cases
+
+
+def unpipelined_loads(compiled) -> list[str]:
+    """The tile loads (tensors of two or more dimensions) inside a loop of the kernel's TTGIR that Triton's
+    pipeliner left synchronous (a plain tt.load rather than an async copy into shared memory): each such load makes
+    every iteration wait for its memory round trip."""
+    found, loops, depth = [], [], 0
+    for line in compiled.asm["ttgir"].splitlines():
+        if "scf.for" in line:
+            loops.append(depth)
+        if loops and re.search(r"= tt\.load .*: tensor<\d+x\d+", line):
+            found.append(re.search(r"(%[\w.]+) = tt\.load", line).group(1))
+        depth += line.count("{") - line.count("}")
+        while loops and depth <= loops[-1]:
+            loops.pop()
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--require-no-spill", action="store_true",
                         help="exit 1 if any case spills (uses stack) beyond what its launch was measured with")
+    parser.add_argument("--require-pipelined", action="store_true",
+                        help="exit 1 if a pipelined launch (num_stages > 1) leaves a tile load in a loop synchronous")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("perf.kernel_survey: unset TRITON_INTERPRET (the interpreter replaces triton.jit functions)",
               file=sys.stderr)
         return 2
-    spilled = []
-    for case in lean_cases() + prefill_cases():
-        usage = resources(compile_sm90(case))
+    spilled, unpipelined = [], []
+    for case in lean_cases() + prefill_cases() + selected_cases():
+        compiled = compile_sm90(case)
+        usage = resources(compiled)
+        # Only launches with software pipelining (num_stages > 1) are expected to load their tiles asynchronously.
+        sync = unpipelined_loads(compiled) if case.num_stages > 1 else []
         print(f"{case.name:45s} {case.num_warps} warps  {usage['registers']:3d} registers  "
-              f"{usage['stack_bytes']:5d} B stack", flush=True)
+              f"{usage['stack_bytes']:5d} B stack" + (f"  synchronous tile loads in a loop: {sync}" if sync else ""),
+              flush=True)
         if usage["stack_bytes"] > case.measured_stack:
             spilled.append(case.name)
+        if sync:
+            unpipelined.append(case.name)
+    failed = False
     if spilled and args.require_no_spill:
         print(f"spills: {spilled}", file=sys.stderr)
-        return 1
-    return 0
+        failed = True
+    if unpipelined and args.require_pipelined:
+        print(f"tile loads not pipelined: {unpipelined}", file=sys.stderr)
+        failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -122,17 +122,18 @@ def _selected_attention_bwd_dq_kernel(
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
         pos, key_mask = selected_block_keys(block, tile, row_start, p, offs_n, SEL_BLOCK, BLOCK_N)
 
-        kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
-                     mask=key_mask[None, :] & dk_mask[:, None], other=0.0)
+        # K is loaded as rows and transposed for the first dot: loaded as kT, the tile's second use (dS K) needed
+        # a register copy in another layout, and Triton's pipeliner then left that load synchronous in the loop.
+        k_rows = tl.load(k_base + pos[:, None] * stride_kt + offs_dk[None, :],
+                         mask=key_mask[:, None] & dk_mask[None, :], other=0.0)
         vT = tl.load(v_base + pos[None, :] * stride_vt + offs_dv[:, None],
                      mask=key_mask[None, :] & dv_mask[:, None], other=0.0)
-        s = _dot(q, kT, DOT_FP32, INPUT_PRECISION)
+        s = _dot(q, tl.trans(k_rows), DOT_FP32, INPUT_PRECISION)
         dp = _dot(do, vT, DOT_FP32, INPUT_PRECISION)
         probs = tl.where(key_mask[None, :], tl.exp2(s * scale_log2 - m2[:, None]) * inv_l[:, None], 0.0)
         ds = probs * (dp - delta_start[:, None])
         shift += tl.sum(ds, 1)
         p_sum += tl.sum(probs, 1)
-        k_rows = tl.trans(kT)
         if SPLIT_DS:
             ds_hi = ds.to(K.dtype.element_ty)
             ds_lo = (ds - ds_hi.to(tl.float32)).to(K.dtype.element_ty)
