@@ -3,7 +3,8 @@ the compute dtype (fp32 for half inputs, fp64 for fp32: dispatch.compute_dtype),
 rounded one by one in that dtype (no FMA: the launch disables fp fusion) and the result rounded once to the output
 dtype: bitwise what the torch expression
 
-    (g[..., 0:1].to(cd) * o_cmp.to(cd) + g[..., 1:2].to(cd) * o_slc.to(cd) + g[..., 2:3].to(cd) * o_win.to(cd)).to(dtype)
+    (g[..., 0:1].to(cd) * o_cmp.to(cd) + g[..., 1:2].to(cd) * o_slc.to(cd)
+     + g[..., 2:3].to(cd) * o_win.to(cd)).to(dtype)
 
 gives, without its widened copies and temporaries (about 9x less memory traffic at half precision). A branch left
 out of the call (its output None: nsa_forward's `branches`) is left out of the sum: its gate is never read and
