@@ -10,8 +10,9 @@ on an H100 (perf/NOTES.md); its sm_90 compile used 5-8 KB of stack per thread. T
 are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
 l = 32, d = 16, l' = 64, n = 16) that matter for speed, the prefill range kernels' launches (prefill_cases) and the
 selected-attention kernels' (selected_cases);
-`--require-no-spill` fails if any of them spills, beyond the few bytes one launch was measured fastest with (the
-paper layout's range dk/dv tile: 8 bytes, against a no-spill tile 8% slower; common.RANGE_MEASURED_STACK).
+`--require-no-spill` fails if any of them spills beyond what its launch was measured fastest with (the paper
+layout's range dk/dv tile: 8 bytes, against a no-spill tile 8% slower; common.RANGE_MEASURED_STACK; the selected
+dq and dk/dv launches: SELECTED_MEASURED_STACK).
 `--require-pipelined` fails if a launch with num_stages > 1 leaves a tile load inside a loop synchronous: the
 selected dq kernel once loaded its key tile in a layout its second dot could not use from shared memory, Triton's
 pipeliner left that load synchronous, and the kernel ran 1.3x-1.5x slower (perf/NOTES.md).
@@ -88,7 +89,7 @@ def resources(compiled) -> dict[str, int]:
 # Bytes of stack per thread a selected-attention launch (kind, BLOCK_DK + BLOCK_DV) was measured fastest with
 # (perf.selected_probe, reports/perf/selected_launch): the paper layout's dq at one warp (255 registers; 2 warps or
 # wider key tiles measured slower) and dk/dv at 32 columns (no other setting within 20% at 64k tokens); prod-125m's
-# dk/dv at 128 columns (the fastest at 2k x 8, not at 16k x 1, under random selections).
+# dk/dv at 128 columns (in the prod-125m training step 2-4% faster than the 64-column settings at 2k and 16k).
 SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dkdv", 256): 96, ("dkdv", 128): 272}
 
 
