@@ -123,6 +123,21 @@ def lean_cases() -> list[Case]:
     return cases
 
 
+# Triton pointer types of the prefill kernels' pointer arguments, by argument name (bf16 launches).
+PREFILL_POINTERS = {
+    **{name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DQ", "DKEY", "DVAL", "DK_OUT", "DV_OUT")},
+    **{name: "*fp32" for name in ("LSE2", "P", "DELTA", "STATS", "DK_WS", "DV_WS")},
+    **{name: "*i32" for name in ("LO", "HI", "QFIRST", "QLAST", "IDX", "DOC_START", "QUERY_ROWS", "ITEM_KEY",
+                                 "ITEM_BEGIN", "ITEM_END", "ITEM_SLOT", "BLOCK_BASE", "BLOCK_END")},
+}
+
+
+def pointers(kernel) -> dict:
+    """PREFILL_POINTERS for the pointer arguments the kernel takes."""
+    params = inspect.signature(kernel.fn).parameters
+    return {name: kind for name, kind in PREFILL_POINTERS.items() if name in params}
+
+
 def prefill_cases() -> list[Case]:
     """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
     (16 heads per KV group, d_k = d_v = 128) and prod-125m's (6 per group, d = 64): the group-scores kernel, the
@@ -133,13 +148,6 @@ def prefill_cases() -> list[Case]:
     from optimized.kernels.selection import _group_scores_kernel
 
     import torch
-
-    ptr = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DQ", "DKEY", "DVAL")}
-    ptr.update({name: "*i32" for name in ("LO", "HI", "QFIRST", "QLAST")})
-    ptr.update({name: "*fp32" for name in ("LSE2", "P", "DELTA")})
-
-    def pointers(kernel) -> dict:
-        return {k: v for k, v in ptr.items() if k in inspect.signature(kernel.fn).parameters}
 
     cases = []
     for group, d in ((16, 128), (6, 64)):
@@ -179,14 +187,6 @@ def selected_cases() -> list[Case]:
     from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
     from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
                                                           _selected_attention_bwd_dq_kernel)
-
-    ptr = {name: "*bf16" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK_OUT", "DV_OUT")}
-    ptr.update({name: "*fp32" for name in ("STATS", "DELTA", "DK_WS", "DV_WS")})
-    ptr.update({name: "*i32" for name in ("IDX", "DOC_START", "QUERY_ROWS", "ITEM_KEY", "ITEM_BEGIN", "ITEM_END",
-                                          "ITEM_SLOT", "BLOCK_BASE", "BLOCK_END")})
-
-    def pointers(kernel) -> dict:
-        return {k: v for k, v in ptr.items() if k in inspect.signature(kernel.fn).parameters}
 
     cases = []
     sel_block = 64
