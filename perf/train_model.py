@@ -113,7 +113,8 @@ def geometry(name: str) -> Geometry:
 
 class DenseAttention(nn.Module):
     """Causal SDPA with GQA in place of one layer's NSA: the NSA module's q projection, its selection branch's k and v
-    projections, RoPE on q and k as NSAAttention.project applies it, and its output projection.
+    projections (one matmul, as NSAAttention.project runs its projections), RoPE on q and k as NSAAttention.project
+    applies it, and its output projection.
 
     `last_stats` is a constant LayerStats of zeros (a dense layer has no gates, selections or counted reads), so the
     trainer's per-step statistics run unchanged. On CUDA the call is restricted to the fused SDPA kernels (flash
@@ -136,14 +137,18 @@ class DenseAttention(nn.Module):
                                      reads=torch.zeros(3, dtype=torch.int64, device=device))
 
     def project(self, x: Tensor, position_offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, T, Hq, dk] and k [B, T, Hkv, dk] rotated, v [B, T, Hkv, dv]. x is cast once under autocast for
-        the three projections, as NSAAttention.project does for its one."""
+        """q [B, T, Hq, dk] and k [B, T, Hkv, dk] rotated, v [B, T, Hkv, dv], with the kernels NSAAttention.project
+        uses for its own: one matmul over the concatenated q, k and v weights (x cast once under autocast), the parts
+        taken by torch.split, q and k rotated in one RoPE call, v copied out of the matmul's output. A dense layer
+        with three matmuls would add three input gradients in backward, work the NSA layer does not do."""
         B, T, _ = x.shape
+        Hq, Hkv, dk, dv = self.n_heads, self.n_kv_heads, self.head_dim_qk, self.head_dim_v
         x = cast_once_for_autocast(x)
         positions = token_positions(T, position_offset, None, B, x.device)
-        q = rotate(self.q_proj(x).view(B, T, self.n_heads, self.head_dim_qk), positions, self.rope_base)
-        k = rotate(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim_qk), positions, self.rope_base)
-        return q, k, self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim_v)
+        y = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        y_qk, y_v = y.split([(Hq + Hkv) * dk, Hkv * dv], dim=-1)
+        q, k = rotate(y_qk.view(B, T, Hq + Hkv, dk), positions, self.rope_base).split([Hq, Hkv], dim=2)
+        return q, k, y_v.contiguous().view(B, T, Hkv, dv)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal SDPA with GQA in [B, H, T, D] layout; returns [B, T, Hq, dv]."""

@@ -5,8 +5,8 @@ each pair into the same files).
 The trainer (perf/train_model.py) runs `warmup` untimed steps, `timed` steps timed as in `perf train` (the step's
 reference time, no profiler), then `profiled` steps under torch.profiler. During the profiled steps every region of
 the model's forward is a named torch.profiler range (module hooks and wrappers, removed afterwards): embedding,
-norms, each block's residual adds, its attention (the projections, the gate MLP, the rest of project() (RoPE), the
-functional NSA call (or SDPA), the per-layer statistics, the casts and reshapes around them), the MLP, the LM head,
+norms, each block's residual adds, its attention (the output projection, the gate MLP, project() (the one matmul
+over the concatenated q, k and v weights, RoPE), the functional NSA call (or SDPA), the per-layer statistics, the casts and reshapes around them), the MLP, the LM head,
 the loss, and the optimizer (gradient clipping and AdamW's own step range). A GPU kernel counts toward the region of
 the op that launched it; a backward kernel counts toward the region of the forward op whose autograd node ran it
 (the profiler's sequence numbers link each backward node to its forward op). Categories:
@@ -52,9 +52,9 @@ PROFILE_JSON, PROFILE_MD = "train_profile.json", "train_profile.md"
 
 ATTENTION_KERNELS = "attention kernels"
 CATEGORIES = {  # region -> category (the table's row)
-    "attention/projections": "attention rest: q, k, v and output projections",
+    "attention/projections": "attention rest: output projection",
     "attention/gates": "attention rest: gate MLP",
-    "attention/project": "attention rest: RoPE and the rest of project()",
+    "attention/project": "attention rest: project() (one q, k, v matmul, RoPE, splits)",
     "attention/nsa": "attention rest: inside the NSA call (phi, scoring glue, casts)",
     "attention/sdpa": "attention rest: around the SDPA call (transposes)",
     "attention/statistics": "attention rest: per-layer statistics",
