@@ -15,7 +15,10 @@ d = 16, l' = 64, n = 16, w = 512), --batch sequences of --seq-len tokens:
 - `backward`: range_attention_backward over both branches' ranges with FlashAttention-2's D0 = rowsum(dO * O)
   (an earlier half-precision default) or the dq pass's consistent D, other dq tilings and other dk/dv tilings;
 - `heads`: the same backward with dk/dv steps, or dq programs, that take several heads of the KV group at once
-  (RangeTiling.heads), against the default tilings.
+  (RangeTiling.heads), against the default tilings;
+- `rows`: the same backward (default tilings) with the dk/dv rows of each key tile split into the tile's own equal
+  parts or into chunks of the query rows every tile shares (range_attention_backward's row_chunks), each at the
+  default count and at other counts.
 
     python -m perf.prefill_probe [--seq-len 65536] [--layout prod-125m --batch 8]   # on a GPU; writes
                                                                                      # prefill_probe.json
@@ -32,10 +35,11 @@ import triton
 
 from optimized import masks
 from optimized.kernels import selection
-from optimized.kernels.common import RangeTiling, padded, range_tiling
+from optimized.kernels.common import RangeTiling, packed_heads, padded, range_tiling
 from optimized.kernels.range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges,
                                                range_attention_forward, window_ranges)
-from optimized.kernels.range_attention_bwd import range_attention_backward
+from optimized.kernels.range_attention_bwd import (dkdv_chunks, dkdv_split, range_attention_backward,
+                                                   rows_shared_in_l2)
 from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
 
@@ -51,6 +55,7 @@ RANGE_TILINGS = ((64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2
                  (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2, 16), (128, 64, 8, 2, 16), (128, 32, 8, 2, 16),
                  (64, 64, 4, 2, 16), (128, 128, 8, 2, 16), (64, 64, 4, 3, 16))
 BUDGETS_MIB = (24, 64, 128, 256)
+ROW_SPLIT_FACTORS = (1, 0.5, 2, 4)  # `rows`: each split's count relative to its default
 
 
 def _tiling(shape: tuple[int, ...]) -> RangeTiling:
@@ -200,6 +205,41 @@ def probe_heads(x: dict, scale: float, rep_ms: int) -> list[dict]:
     return probe_backward(x, scale, rep_ms, variants)
 
 
+def probe_rows(x: dict, scale: float, rep_ms: int) -> list[dict]:
+    """range_attention_backward over both branches with the dk/dv rows in each tile's own parts or in shared
+    chunks, at the default count of each (dkdv_split / dkdv_chunks) times each of ROW_SPLIT_FACTORS."""
+    q = x["q"]
+    g = torch.Generator(device=q.device).manual_seed(1)
+    do = torch.randn(q.shape[:3] + (CFG.head_dim_v,), generator=g, device=q.device).to(q.dtype)
+    t = _default_tiling("dkdv", q.dtype)
+    rows = t.block_m // packed_heads(t, CFG.n_heads // CFG.n_kv_heads)
+    out = []
+    for branch in ("cmp", "win"):
+        k, v = x[f"k_{branch}"], x[f"v_{branch}"]
+        lo, hi = x[branch]
+        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
+        n_tiles, batch, T = triton.cdiv(k.shape[1], t.block_n), q.shape[0], q.shape[1]
+        counts = {False: dkdv_split(n_tiles, CFG.n_kv_heads, batch, T, rows),
+                  True: dkdv_chunks(n_tiles, CFG.n_kv_heads, batch, T)}
+        reference = None
+        for chunked, default in counts.items():
+            for factor in ROW_SPLIT_FACTORS:
+                split = max(1, int(default * factor))
+
+                def run():
+                    return range_attention_backward(q, k, v, lo, hi, o, lse2, do, scale, split=split,
+                                                    row_chunks=chunked)
+
+                grads = run()
+                reference = grads if reference is None else reference
+                diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(grads, reference))
+                out.append({"probe": "rows", "branch": branch, "rows": "shared chunks" if chunked else "own parts",
+                            "split": split, "default_count": factor == 1,
+                            "default": factor == 1 and chunked == rows_shared_in_l2(q, CFG.head_dim_v, k.shape[1]),
+                            "ms": bench_ms(run, rep_ms), "max_abs_grad_diff_vs_first": diff})
+    return out
+
+
 def probe_backward(x: dict, scale: float, rep_ms: int, variants: tuple | list | None = None) -> list[dict]:
     """range_attention_backward under each (consistent D, dq tiling, dk/dv tiling) of variants (default
     BACKWARD_VARIANTS), both branches."""
@@ -249,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
               "selection": lambda: probe_selection(x, args.rep_ms),
               "range": lambda: probe_range(x, scale, args.rep_ms),
               "backward": lambda: probe_backward(x, scale, args.rep_ms),
-              "heads": lambda: probe_heads(x, scale, args.rep_ms)}
+              "heads": lambda: probe_heads(x, scale, args.rep_ms),
+              "rows": lambda: probe_rows(x, scale, args.rep_ms)}
     results = printed_rows(row for name in args.probes.split(",") for row in probes[name]())
     write_probe_report(args.out, "prefill_probe",
                        f"{probe_timing(args.rep_ms, args.layout, args.batch, args.seq_len)}, "

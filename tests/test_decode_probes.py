@@ -39,7 +39,8 @@ def test_prefill_probe_variants_agree(monkeypatch):
     scoring-chunk budget gives the default budget's indices with a different number of chunks, and the other
     tilings of the group-scores and range-attention kernels compute the default tiling's values (up to the fp32
     summation order), as do the backward's D variants (fp32 inputs: D0 and the consistent D agree closely) and its
-    dk/dv steps and its dq and forward programs over several heads at once."""
+    dk/dv steps and its dq and forward programs over several heads at once, and its dk/dv rows in each tile's own
+    parts or in shared chunks."""
     from perf import prefill_probe
     from reference.config import NSAConfig
 
@@ -70,6 +71,14 @@ def test_prefill_probe_variants_agree(monkeypatch):
     heads = prefill_probe.probe_heads(x, scale, rep_ms=1)
     assert [(row["dq_tiling"][4], row["dkdv_tiling"][4]) for row in heads] == [(1, 1), (1, 4), (1, 2), (4, 1)] * 2
     assert max(row["max_abs_grad_diff_vs_first"] for row in heads) < 1e-5
+    monkeypatch.setattr(prefill_probe, "ROW_SPLIT_FACTORS", (1, 2))
+    monkeypatch.setattr(prefill_probe, "dkdv_split", lambda *args: 2)  # fewer programs in the interpreter
+    monkeypatch.setattr(prefill_probe, "dkdv_chunks", lambda *args: 3)
+    rows = prefill_probe.probe_rows(prefill_probe._inputs(160, torch.device("cpu"), torch.float32), scale, rep_ms=1)
+    assert [row["rows"] for row in rows] == ["own parts", "own parts", "shared chunks", "shared chunks"] * 2
+    assert [row["split"] for row in rows] == [2, 4, 3, 6] * 2
+    assert sum(row["default"] for row in rows) == 2  # one per branch: this small case keeps its own parts
+    assert max(row["max_abs_grad_diff_vs_first"] for row in rows) < 1e-5
 
 
 def test_prefill_probe_layouts_and_batch(monkeypatch):

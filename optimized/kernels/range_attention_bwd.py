@@ -129,13 +129,17 @@ def _range_attention_dkdv_kernel(
     stride_lb, stride_lt,
     stride_dks, stride_dkb, stride_dkt, stride_dkh,
     stride_dvs, stride_dvb, stride_dvt, stride_dvh,
-    n_queries, n_keys, scale_log2, scale, n_split,
+    n_queries, n_keys, scale_log2, scale, n_split, chunk_rows,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEADS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
 ):
     # program (key tile, KV head x split part, batch): part `split` of the key tile's reading rows, written to
     # slot `split` of DKEY/DVAL (the fp32 workspace when n_split > 1, summed by the wrapper in a fixed order).
+    # chunk_rows = 0: part `split` of n_split equal parts of the tile's own run of rows; chunk_rows > 0 (a multiple
+    # of the step's rows): the tile's rows inside the query rows [split * chunk_rows, (split + 1) * chunk_rows),
+    # the same rows for every key tile, so the programs running side by side (consecutive key tiles of one KV head
+    # and part) read the same q and dO rows, from L2, instead of each streaming its own from memory.
     # A step takes BLOCK_M (query row, head) columns: BLOCK_M // HEADS consecutive rows x HEADS heads of the group
     # (column c is row c // HEADS, head c % HEADS of the step's heads), so with HEADS > 1 one step's dots are
     # [BLOCK_N, BLOCK_M] wide for every head at once instead of one head's few rows.
@@ -166,9 +170,13 @@ def _range_attention_dkdv_kernel(
     q_first = tl.load(QFIRST + pid_n)
     q_last = tl.load(QLAST + pid_n)
     aligned = (q_first // ROWS) * ROWS
-    steps_per_part = tl.cdiv(tl.cdiv(tl.maximum(q_last + 1 - aligned, 0), ROWS), n_split)
-    m_start = aligned + split * steps_per_part * ROWS
-    m_stop = tl.minimum(q_last + 1, m_start + steps_per_part * ROWS)
+    if chunk_rows > 0:
+        m_start = tl.maximum(aligned, split * chunk_rows)
+        m_stop = tl.minimum(q_last + 1, (split + 1) * chunk_rows)
+    else:
+        steps_per_part = tl.cdiv(tl.cdiv(tl.maximum(q_last + 1 - aligned, 0), ROWS), n_split)
+        m_start = aligned + split * steps_per_part * ROWS
+        m_stop = tl.minimum(q_last + 1, m_start + steps_per_part * ROWS)
 
     dkey = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dval = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -238,6 +246,31 @@ def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block
     programs = max(1, n_key_tiles * n_kv_heads * batch)
     row_tiles = max(1, -(-n_rows // block_m))
     return max(1, min(MAX_DKDV_SPLIT, -(-DKDV_PROGRAMS // programs), row_tiles))
+
+
+MIN_CHUNK_ROWS = 128  # shared row chunks: at least this many query rows each
+MAX_DKDV_CHUNKS = 64
+
+
+def dkdv_chunks(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int) -> int:
+    """Shared row chunks for the compressed-like layout, where key tile j is read by every row from about j's
+    position on, so about half of the (key tile, chunk) programs have rows: enough chunks for ~2 DKDV_PROGRAMS
+    of those (4x dkdv_split's parts before its caps), each at least MIN_CHUNK_ROWS rows."""
+    programs = max(1, n_key_tiles * n_kv_heads * batch)
+    return max(1, min(MAX_DKDV_CHUNKS, -(-4 * DKDV_PROGRAMS // programs), n_rows // MIN_CHUNK_ROWS))
+
+
+def rows_shared_in_l2(q: Tensor, dv: int, n_keys: int) -> bool:
+    """Whether the dk/dv launch should split rows into chunks shared by every key tile: fewer keys than query rows
+    (the compressed branch) and one sequence's q and dO (every head) more than twice the device's L2 cache, so the
+    key tiles running side by side, each streaming its own rows, would read them from memory again and again
+    (measured at the paper layout at 64k tokens: 44.5 -> 36.9 ms for that branch's backward; below that size the
+    rows stay in L2 and each tile's own equal parts, better balanced, are faster; perf/NOTES.md)."""
+    B, TQ, Hq, dk = q.shape
+    if n_keys >= TQ:
+        return False
+    l2 = torch.cuda.get_device_properties(q.device).L2_cache_size if q.is_cuda else 50 * 2**20
+    return TQ * Hq * (dk + dv) * q.element_size() > 2 * l2
 
 
 @triton.jit
@@ -345,10 +378,16 @@ def range_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi:
 def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
                              do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
                              dkdv_tiling: RangeTiling | None = None, split: int | None = None,
+                             row_chunks: bool | None = None,
                              consistent_d: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
     split: parts of each key tile's reading rows (default dkdv_split); with more than one, each part's fp32 dk/dv
     go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic).
+    row_chunks: how the parts divide the rows: True, into `split` chunks of the query rows shared by every key tile
+    (part p of every tile reads only rows of chunk p; default split dkdv_chunks); False, each tile's own run of rows
+    into `split` equal parts. Default: rows_shared_in_l2 (the compressed branch at long sequences, whose key tiles
+    are read by long runs of mostly the same rows: shared chunks let the tiles running side by side read them once
+    from memory), else equal parts (the window: each tile's run is short and its own).
     consistent_d: D = sum P dP from the dq pass instead of rowsum(dO * O) (module docstring); False is
     FlashAttention-2's D0, kept for the split test and perf.prefill_probe's before/after timing."""
     B, TQ, Hq, dk = q.shape
@@ -367,7 +406,10 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         q_first, q_last = reading_rows(lo, hi, TK, t.block_n)
         n_tiles = triton.cdiv(TK, t.block_n)
         heads = packed_heads(t, Hq // Hkv)  # the group's heads a step takes
-        parts = split or dkdv_split(n_tiles, Hkv, B, TQ, t.block_m // heads)
+        rows = t.block_m // heads  # query rows per step
+        chunked = rows_shared_in_l2(q, dv, TK) if row_chunks is None else row_chunks
+        parts = split or (dkdv_chunks(n_tiles, Hkv, B, TQ) if chunked else dkdv_split(n_tiles, Hkv, B, TQ, rows))
+        chunk_rows = triton.cdiv(triton.cdiv(TQ, parts), rows) * rows if chunked and parts > 1 else 0
         if parts == 1:
             out_k, out_v = dkey[None], dval[None]
         else:
@@ -376,7 +418,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         _range_attention_dkdv_kernel[(n_tiles, Hkv * parts, B)](
             q, k, v, lo, hi, do, lse2, delta, out_k, out_v, q_first, q_last, *strides,
             *out_k.stride()[:4], *out_v.stride()[:4],
-            TQ, TK, scale * LOG2E, scale, parts, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEADS=heads,
+            TQ, TK, scale * LOG2E, scale, parts, chunk_rows, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEADS=heads,
             COMPENSATED=q.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages, **common)
         return out_k, out_v
 

@@ -20,8 +20,8 @@ from tests.kernels.parity import low_precision_example
 from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention
-from optimized.kernels.range_attention_bwd import (range_attention_backward, range_attention_delta, reading_rows,
-                                                   sum_parts)
+from optimized.kernels.range_attention_bwd import (dkdv_split, range_attention_backward, range_attention_delta,
+                                                   reading_rows, sum_parts)
 from optimized.kernels.common import RangeTiling
 from optimized.kernels.range_attention import compressed_ranges, range_attention_forward, range_reads, window_ranges
 from reference.config import NSAConfig
@@ -318,20 +318,23 @@ def test_gpu_launch_table_covers_every_kernel_and_width(monkeypatch: pytest.Monk
         range_tiling(64, 64, torch.bfloat16, "backward")
 
 
-@pytest.mark.parametrize("layout", ["compressed-packed", "wide-prefix"])
+@pytest.mark.parametrize("layout", ["compressed-packed", "wide-prefix", "window"])
 @pytest.mark.parametrize("split, consistent_d", [(1, False), (2, True), (5, True), (5, False)])
-def test_dkdv_split_over_rows_matches_the_oracle(layout: str, split: int, consistent_d: bool,
+@pytest.mark.parametrize("row_chunks", [False, True], ids=["own-parts", "shared-chunks"])
+def test_dkdv_split_over_rows_matches_the_oracle(layout: str, split: int, consistent_d: bool, row_chunks: bool,
                                                  poisoned_empty: None) -> None:
-    """The compressed branch's few key tiles split their reading rows over several programs (fp32 workspace,
-    summed in a fixed order): the same gradients as the dense oracle, every key written, deterministic; with D
-    from rowsum(dO * O) (half precision's) or made consistent in the dq pass (fp32's)."""
+    """Key tiles split their reading rows over several programs (fp32 workspace, summed in a fixed order), either
+    each tile's own run into equal parts or the query rows into chunks every tile shares (split 5 leaves chunks
+    that some tiles, or all, do not read: those programs write zeros): the same gradients as the dense oracle,
+    every key written, deterministic; with D from rowsum(dO * O) (half precision's) or made consistent in the dq
+    pass (fp32's)."""
     lo, hi, n_keys = ranges_of(layout, 45)
     lo32, hi32 = lo.to(torch.int32).to(DEVICE), hi.to(torch.int32).to(DEVICE)
     q, k, v = random_inputs(1, 45, n_keys, 6, 2, 12, 8, seed=9)
     o, lse2 = range_attention_forward(q, k, v, lo32, hi32, 0.25)
     do = torch.randn_like(o)
-    runs = [range_attention_backward(q, k, v, lo32, hi32, o, lse2, do, 0.25, split=split, consistent_d=consistent_d)
-            for _ in range(2)]
+    runs = [range_attention_backward(q, k, v, lo32, hi32, o, lse2, do, 0.25, split=split, row_chunks=row_chunks,
+                                     consistent_d=consistent_d) for _ in range(2)]
     check_backward_runs(runs, q, k, v, lo, hi, do, scale=0.25)
 
 
@@ -350,6 +353,25 @@ def test_split_parts_are_summed_in_order_into_a_strided_gradient(dtype: torch.dt
         expected = expected + part
     assert torch.equal(out, expected.to(dtype))
     assert (wide[..., :4] == 7).all() and (wide[..., 16:] == 7).all()
+
+
+def test_shared_row_chunks_are_taken_for_long_runs_of_rows_past_the_l2_cache() -> None:
+    """The default dk/dv split: shared row chunks only when there are fewer keys than query rows and one sequence's
+    q and dO exceed twice the L2 cache (50 MiB off CUDA); their count gives ~4x the programs of the equal parts,
+    at least MIN_CHUNK_ROWS rows each."""
+    from optimized.kernels.range_attention_bwd import MIN_CHUNK_ROWS, dkdv_chunks, rows_shared_in_l2
+
+    def q_of(T, Hq=64, d=128, dtype=torch.bfloat16):
+        return torch.empty((1, T, Hq, d), device="meta", dtype=dtype)
+
+    assert rows_shared_in_l2(q_of(65536), 128, n_keys=4095)  # paper layout, compressed keys: 2 GiB of q and dO
+    assert not rows_shared_in_l2(q_of(65536), 128, n_keys=65536)  # the window: as many keys as rows
+    assert not rows_shared_in_l2(q_of(16384, Hq=12, d=64), 64, n_keys=1023)  # 48 MiB: stays in L2
+    assert not rows_shared_in_l2(q_of(32768, Hq=12, d=64), 64, n_keys=2047)  # 96 MiB
+    assert rows_shared_in_l2(q_of(32768, Hq=12, d=64, dtype=torch.float32), 64, n_keys=2047)  # 192 MiB
+    assert dkdv_chunks(64, 4, 1, 65536) == 4 * dkdv_split(64, 4, 1, 65536, 2) == 16
+    assert dkdv_chunks(8, 4, 1, 8192) == 8192 // MIN_CHUNK_ROWS
+    assert dkdv_chunks(1, 1, 1, 100) == 1
 
 
 def check_backward_runs(runs, q, k, v, lo, hi, do, scale: float) -> None:
