@@ -220,7 +220,8 @@ def probe_rows(x: dict, scale: float, rep_ms: int) -> list[dict]:
         o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
         n_tiles, batch, T = triton.cdiv(k.shape[1], t.block_n), q.shape[0], q.shape[1]
         counts = {False: dkdv_split(n_tiles, CFG.n_kv_heads, batch, T, rows),
-                  True: dkdv_chunks(n_tiles, CFG.n_kv_heads, batch, T)}
+                  True: dkdv_chunks(n_tiles, CFG.n_kv_heads, batch, T,
+                                    batch * k.shape[1] * CFG.n_kv_heads * (CFG.head_dim_qk + CFG.head_dim_v) * 4)}
         reference = None
         for chunked, default in counts.items():
             for factor in ROW_SPLIT_FACTORS:

@@ -248,16 +248,20 @@ def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block
     return max(1, min(MAX_DKDV_SPLIT, -(-DKDV_PROGRAMS // programs), row_tiles))
 
 
-MIN_CHUNK_ROWS = 128  # shared row chunks: at least this many query rows each
+MIN_CHUNK_ROWS = 128  # shared row chunks: at least this many query rows each, and at most ...
+TARGET_CHUNK_ROWS = 4096  # ... about this many where the workspace allows
 MAX_DKDV_CHUNKS = 64
+CHUNK_WORKSPACE_BYTES = 512 * 2**20  # the fp32 dk/dv partials of all chunks
 
 
-def dkdv_chunks(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int) -> int:
+def dkdv_chunks(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, chunk_bytes: int) -> int:
     """Shared row chunks for the compressed-like layout, where key tile j is read by every row from about j's
-    position on, so about half of the (key tile, chunk) programs have rows: enough chunks for ~2 DKDV_PROGRAMS
-    of those (4x dkdv_split's parts before its caps), each at least MIN_CHUNK_ROWS rows."""
+    position on, so about half of the (key tile, chunk) programs have rows: enough chunks for ~2 DKDV_PROGRAMS of
+    those (4x dkdv_split's parts before its caps) and chunks of at most ~TARGET_CHUNK_ROWS rows, each of at least
+    MIN_CHUNK_ROWS rows, their workspace (chunk_bytes per chunk) within CHUNK_WORKSPACE_BYTES."""
     programs = max(1, n_key_tiles * n_kv_heads * batch)
-    return max(1, min(MAX_DKDV_CHUNKS, -(-4 * DKDV_PROGRAMS // programs), n_rows // MIN_CHUNK_ROWS))
+    wanted = max(-(-4 * DKDV_PROGRAMS // programs), -(-n_rows // TARGET_CHUNK_ROWS))
+    return max(1, min(wanted, MAX_DKDV_CHUNKS, n_rows // MIN_CHUNK_ROWS, CHUNK_WORKSPACE_BYTES // max(1, chunk_bytes)))
 
 
 def rows_shared_in_l2(q: Tensor, dv: int, n_keys: int) -> bool:
@@ -408,7 +412,9 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         heads = packed_heads(t, Hq // Hkv)  # the group's heads a step takes
         rows = t.block_m // heads  # query rows per step
         chunked = rows_shared_in_l2(q, dv, TK) if row_chunks is None else row_chunks
-        parts = split or (dkdv_chunks(n_tiles, Hkv, B, TQ) if chunked else dkdv_split(n_tiles, Hkv, B, TQ, rows))
+        chunk_bytes = B * TK * Hkv * (dk + dv) * 4
+        parts = split or (dkdv_chunks(n_tiles, Hkv, B, TQ, chunk_bytes) if chunked
+                          else dkdv_split(n_tiles, Hkv, B, TQ, rows))
         chunk_rows = triton.cdiv(triton.cdiv(TQ, parts), rows) * rows if chunked and parts > 1 else 0
         if parts == 1:
             out_k, out_v = dkey[None], dval[None]

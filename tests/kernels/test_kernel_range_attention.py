@@ -357,8 +357,8 @@ def test_split_parts_are_summed_in_order_into_a_strided_gradient(dtype: torch.dt
 
 def test_shared_row_chunks_are_taken_for_long_runs_of_rows_past_the_l2_cache() -> None:
     """The default dk/dv split: shared row chunks only when there are fewer keys than query rows and one sequence's
-    q and dO exceed twice the L2 cache (50 MiB off CUDA); their count gives ~4x the programs of the equal parts,
-    at least MIN_CHUNK_ROWS rows each."""
+    q and dO exceed twice the L2 cache (50 MiB off CUDA); their count gives ~4x the programs of the equal parts, or
+    chunks of ~4096 rows where that is more, at least MIN_CHUNK_ROWS rows each, within the workspace budget."""
     from optimized.kernels.range_attention_bwd import MIN_CHUNK_ROWS, dkdv_chunks, rows_shared_in_l2
 
     def q_of(T, Hq=64, d=128, dtype=torch.bfloat16):
@@ -369,9 +369,12 @@ def test_shared_row_chunks_are_taken_for_long_runs_of_rows_past_the_l2_cache() -
     assert not rows_shared_in_l2(q_of(16384, Hq=12, d=64), 64, n_keys=1023)  # 48 MiB: stays in L2
     assert not rows_shared_in_l2(q_of(32768, Hq=12, d=64), 64, n_keys=2047)  # 96 MiB
     assert rows_shared_in_l2(q_of(32768, Hq=12, d=64, dtype=torch.float32), 64, n_keys=2047)  # 192 MiB
-    assert dkdv_chunks(64, 4, 1, 65536) == 4 * dkdv_split(64, 4, 1, 65536, 2) == 16
-    assert dkdv_chunks(8, 4, 1, 8192) == 8192 // MIN_CHUNK_ROWS
-    assert dkdv_chunks(1, 1, 1, 100) == 1
+    paper = 4 * 256 * 4  # workspace bytes per key and chunk: 4 KV heads, d_k + d_v = 256, fp32
+    assert dkdv_chunks(64, 4, 1, 65536, 4096 * paper) == 4 * dkdv_split(64, 4, 1, 65536, 2) == 16
+    assert dkdv_chunks(8, 4, 1, 8192, 512 * paper) == 8192 // MIN_CHUNK_ROWS  # 64 rows would be too few
+    assert dkdv_chunks(16, 4, 1, 16384, 1024 * paper) == 64  # the program count
+    assert dkdv_chunks(128, 4, 1, 131072, 8192 * paper) == 16  # 32 chunks of 4096 rows: 1 GiB of workspace
+    assert dkdv_chunks(1, 1, 1, 100, 1) == 1
 
 
 def check_backward_runs(runs, q, k, v, lo, hi, do, scale: float) -> None:
