@@ -7,9 +7,10 @@ reference time, no profiler), then `profiled` steps under torch.profiler. During
 the model's forward is a named torch.profiler range (module hooks and wrappers, removed afterwards): embedding,
 norms, each block's residual adds, its attention (the output projection, the gate MLP, project() (the one matmul
 over the concatenated q, k and v weights, RoPE), the functional NSA call (or SDPA), the per-layer statistics, the
-casts and reshapes around them), the MLP, the LM head, the loss, and the optimizer (gradient clipping and AdamW's own step range). A GPU kernel counts toward the region of
-the op that launched it; a backward kernel counts toward the region of the forward op whose autograd node ran it
-(the profiler's sequence numbers link each backward node to its forward op). Categories:
+casts and reshapes around them), the MLP, the LM head, the loss, and the optimizer (gradient clipping and AdamW's
+own step range). A GPU kernel counts toward the region of the op that launched it; a backward kernel counts toward
+the region of the forward op whose autograd node ran it (the profiler's sequence numbers link each backward node to
+its forward op). Categories:
 
 - attention kernels: optimized's Triton kernels (NSA) or SDPA's kernels (dense), in any region;
 - the rest of attention: projections, gate MLP, RoPE, the NSA call's other kernels (phi, scoring glue, casts),
