@@ -236,16 +236,18 @@ def reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tuple[Ten
 
 
 DKDV_PROGRAMS = 1024  # the dk/dv launch splits rows until it has about this many programs (132 SMs x ~8)
+SHORT_RUN_DKDV_PROGRAMS = 512  # ... or this many where every key tile is read by a short run of rows (the window)
 MAX_DKDV_SPLIT = 32
 
 
-def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block_m: int) -> int:
+def dkdv_split(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, block_m: int,
+               programs_wanted: int = DKDV_PROGRAMS) -> int:
     """Parts the reading rows of each key tile are split into: 1 when key tiles x KV heads x batch already fill the
-    GPU (the window); more when few key tiles each take many rows (the compressed branch: T/d keys, each read by
-    every later query), so the long per-tile loops run side by side instead of on a few SMs."""
+    GPU (programs_wanted of them); more when few key tiles each take many rows (the compressed branch: T/d keys,
+    each read by every later query), so the long per-tile loops run side by side instead of on a few SMs."""
     programs = max(1, n_key_tiles * n_kv_heads * batch)
     row_tiles = max(1, -(-n_rows // block_m))
-    return max(1, min(MAX_DKDV_SPLIT, -(-DKDV_PROGRAMS // programs), row_tiles))
+    return max(1, min(MAX_DKDV_SPLIT, -(-programs_wanted // programs), row_tiles))
 
 
 MIN_CHUNK_ROWS = 128  # shared row chunks: at least this many query rows each, and at most ...
@@ -413,8 +415,9 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         rows = t.block_m // heads  # query rows per step
         chunked = rows_shared_in_l2(q, dv, TK) if row_chunks is None else row_chunks
         chunk_bytes = B * TK * Hkv * (dk + dv) * 4
+        wanted = SHORT_RUN_DKDV_PROGRAMS if TK >= TQ else DKDV_PROGRAMS
         parts = split or (dkdv_chunks(n_tiles, Hkv, B, TQ, chunk_bytes) if chunked
-                          else dkdv_split(n_tiles, Hkv, B, TQ, rows))
+                          else dkdv_split(n_tiles, Hkv, B, TQ, rows, wanted))
         chunk_rows = triton.cdiv(triton.cdiv(TQ, parts), rows) * rows if chunked and parts > 1 else 0
         if parts == 1:
             out_k, out_v = dkey[None], dval[None]

@@ -375,6 +375,10 @@ def test_shared_row_chunks_are_taken_for_long_runs_of_rows_past_the_l2_cache() -
     assert dkdv_chunks(16, 4, 1, 16384, 1024 * paper) == 64  # the program count
     assert dkdv_chunks(128, 4, 1, 131072, 8192 * paper) == 16  # 32 chunks of 4096 rows: 1 GiB of workspace
     assert dkdv_chunks(1, 1, 1, 100, 1) == 1
+    # equal parts: the window (short runs) fills the GPU at 512 programs, the compressed branch at 1024
+    from optimized.kernels.range_attention_bwd import SHORT_RUN_DKDV_PROGRAMS
+    assert dkdv_split(256, 2, 1, 16384, 32, SHORT_RUN_DKDV_PROGRAMS) == 1 and dkdv_split(256, 2, 1, 16384, 32) == 2
+    assert dkdv_split(16, 2, 1, 1024, 32, SHORT_RUN_DKDV_PROGRAMS) == 16
 
 
 def check_backward_runs(runs, q, k, v, lo, hi, do, scale: float) -> None:
