@@ -38,8 +38,7 @@ from optimized.kernels import selection
 from optimized.kernels.common import RangeTiling, packed_heads, padded, range_tiling
 from optimized.kernels.range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges,
                                                range_attention_forward, window_ranges)
-from optimized.kernels.range_attention_bwd import (dkdv_chunks, dkdv_split, range_attention_backward,
-                                                   rows_shared_in_l2)
+from optimized.kernels.range_attention_bwd import dkdv_parts, range_attention_backward, rows_shared_in_l2
 from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
 
@@ -207,7 +206,7 @@ def probe_heads(x: dict, scale: float, rep_ms: int) -> list[dict]:
 
 def probe_rows(x: dict, scale: float, rep_ms: int) -> list[dict]:
     """range_attention_backward over both branches with the dk/dv rows in each tile's own parts or in shared
-    chunks, at the default count of each (dkdv_split / dkdv_chunks) times each of ROW_SPLIT_FACTORS."""
+    chunks, at the default count of each (dkdv_parts) times each of ROW_SPLIT_FACTORS."""
     q = x["q"]
     g = torch.Generator(device=q.device).manual_seed(1)
     do = torch.randn(q.shape[:3] + (CFG.head_dim_v,), generator=g, device=q.device).to(q.dtype)
@@ -219,11 +218,10 @@ def probe_rows(x: dict, scale: float, rep_ms: int) -> list[dict]:
         lo, hi = x[branch]
         o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
         n_tiles, batch, T = triton.cdiv(k.shape[1], t.block_n), q.shape[0], q.shape[1]
-        counts = {False: dkdv_split(n_tiles, CFG.n_kv_heads, batch, T, rows),
-                  True: dkdv_chunks(n_tiles, CFG.n_kv_heads, batch, T,
-                                    batch * k.shape[1] * CFG.n_kv_heads * (CFG.head_dim_qk + CFG.head_dim_v) * 4)}
         reference = None
-        for chunked, default in counts.items():
+        for chunked in (False, True):
+            default = dkdv_parts(chunked, n_tiles, CFG.n_kv_heads, batch, T, k.shape[1], rows,
+                                 CFG.head_dim_qk + CFG.head_dim_v)
             for factor in ROW_SPLIT_FACTORS:
                 split = max(1, int(default * factor))
 

@@ -159,8 +159,7 @@ def regions(trainer) -> Iterator[None]:
             attn = block.attn
             ranges.hook(attn, "attention")
             if isinstance(attn, DenseAttention):
-                for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-                    ranges.hook(proj, "attention/projections")
+                ranges.hook(attn.o_proj, "attention/projections")  # q, k and v: one matmul inside project()
                 wrap_method(attn, "project", "attention/project")
                 wrap_method(attn, "attend", "attention/sdpa")
             else:

@@ -72,8 +72,8 @@ def test_prefill_probe_variants_agree(monkeypatch):
     assert [(row["dq_tiling"][4], row["dkdv_tiling"][4]) for row in heads] == [(1, 1), (1, 4), (1, 2), (4, 1)] * 2
     assert max(row["max_abs_grad_diff_vs_first"] for row in heads) < 1e-5
     monkeypatch.setattr(prefill_probe, "ROW_SPLIT_FACTORS", (1, 2))
-    monkeypatch.setattr(prefill_probe, "dkdv_split", lambda *args: 2)  # fewer programs in the interpreter
-    monkeypatch.setattr(prefill_probe, "dkdv_chunks", lambda *args: 3)
+    # fewer programs in the interpreter: 2 own parts, 3 shared chunks
+    monkeypatch.setattr(prefill_probe, "dkdv_parts", lambda chunked, *args: 3 if chunked else 2)
     rows = prefill_probe.probe_rows(prefill_probe._inputs(160, torch.device("cpu"), torch.float32), scale, rep_ms=1)
     assert [row["rows"] for row in rows] == ["own parts", "own parts", "shared chunks", "shared chunks"] * 2
     assert [row["split"] for row in rows] == [2, 4, 3, 6] * 2

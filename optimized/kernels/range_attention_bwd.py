@@ -266,6 +266,17 @@ def dkdv_chunks(n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, chun
     return max(1, min(wanted, MAX_DKDV_CHUNKS, n_rows // MIN_CHUNK_ROWS, CHUNK_WORKSPACE_BYTES // max(1, chunk_bytes)))
 
 
+def dkdv_parts(chunked: bool, n_key_tiles: int, n_kv_heads: int, batch: int, n_rows: int, n_keys: int,
+               rows_per_step: int, width: int) -> int:
+    """The dk/dv launch's default part count: dkdv_chunks for shared row chunks (workspace: batch x n_keys x
+    n_kv_heads x width fp32 values per chunk, width = d_k + d_v), else dkdv_split's equal parts, aiming at
+    SHORT_RUN_DKDV_PROGRAMS programs where there are as many keys as query rows (the window)."""
+    if chunked:
+        return dkdv_chunks(n_key_tiles, n_kv_heads, batch, n_rows, batch * n_keys * n_kv_heads * width * 4)
+    wanted = SHORT_RUN_DKDV_PROGRAMS if n_keys >= n_rows else DKDV_PROGRAMS
+    return dkdv_split(n_key_tiles, n_kv_heads, batch, n_rows, rows_per_step, wanted)
+
+
 def rows_shared_in_l2(q: Tensor, dv: int, n_keys: int) -> bool:
     """Whether the dk/dv launch should split rows into chunks shared by every key tile: fewer keys than query rows
     (the compressed branch) and one sequence's q and dO (every head) more than twice the device's L2 cache, so the
@@ -387,10 +398,10 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
                              row_chunks: bool | None = None,
                              consistent_d: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
-    split: parts of each key tile's reading rows (default dkdv_split); with more than one, each part's fp32 dk/dv
+    split: parts of each key tile's reading rows (default dkdv_parts); with more than one, each part's fp32 dk/dv
     go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic).
     row_chunks: how the parts divide the rows: True, into `split` chunks of the query rows shared by every key tile
-    (part p of every tile reads only rows of chunk p; default split dkdv_chunks); False, each tile's own run of rows
+    (part p of every tile reads only rows of chunk p); False, each tile's own run of rows
     into `split` equal parts. Default: rows_shared_in_l2 (the compressed branch at long sequences, whose key tiles
     are read by long runs of mostly the same rows: shared chunks let the tiles running side by side read them once
     from memory), else equal parts (the window: each tile's run is short and its own).
@@ -414,10 +425,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
         heads = packed_heads(t, Hq // Hkv)  # the group's heads a step takes
         rows = t.block_m // heads  # query rows per step
         chunked = rows_shared_in_l2(q, dv, TK) if row_chunks is None else row_chunks
-        chunk_bytes = B * TK * Hkv * (dk + dv) * 4
-        wanted = SHORT_RUN_DKDV_PROGRAMS if TK >= TQ else DKDV_PROGRAMS
-        parts = split or (dkdv_chunks(n_tiles, Hkv, B, TQ, chunk_bytes) if chunked
-                          else dkdv_split(n_tiles, Hkv, B, TQ, rows, wanted))
+        parts = split or dkdv_parts(chunked, n_tiles, Hkv, B, TQ, TK, rows, dk + dv)
         chunk_rows = triton.cdiv(triton.cdiv(TQ, parts), rows) * rows if chunked and parts > 1 else 0
         if parts == 1:
             out_k, out_v = dkey[None], dval[None]

@@ -379,6 +379,11 @@ def test_shared_row_chunks_are_taken_for_long_runs_of_rows_past_the_l2_cache() -
     from optimized.kernels.range_attention_bwd import SHORT_RUN_DKDV_PROGRAMS
     assert dkdv_split(256, 2, 1, 16384, 32, SHORT_RUN_DKDV_PROGRAMS) == 1 and dkdv_split(256, 2, 1, 16384, 32) == 2
     assert dkdv_split(16, 2, 1, 1024, 32, SHORT_RUN_DKDV_PROGRAMS) == 16
+    # the launch's default count picks among them by layout: window-like, compressed-like, shared chunks
+    from optimized.kernels.range_attention_bwd import dkdv_parts
+    assert dkdv_parts(False, 256, 2, 1, 16384, 16384, 32, 128) == 1
+    assert dkdv_parts(False, 16, 2, 1, 16384, 1023, 32, 128) == 32
+    assert dkdv_parts(True, 64, 4, 1, 65536, 4096, 2, 256) == 16
 
 
 def check_backward_runs(runs, q, k, v, lo, hi, do, scale: float) -> None:
