@@ -16,6 +16,7 @@ document alone would.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -382,7 +383,8 @@ def _mask_weights(loss_mask: Tensor) -> tuple[Tensor, Tensor]:
     return weights, total
 
 
-LOSS_CHUNK_ROWS = 4096  # rows of hidden states per chunk of lm_head_loss: 0.8 GiB of fp32 logits at a 50k vocabulary
+LOSS_CHUNK_ROWS = 4096  # rows of hidden states per chunk of lm_head_loss: 0.4 GiB of bf16 logits at a 50k vocabulary
+# (and 0.8 GiB of their fp32 copy on the torch path)
 # The head's matmuls see the vocabulary padded with zero rows to a multiple of this: at an odd width (GPT-2's 50257)
 # every logits row starts at an odd element offset and cuBLAS falls back to its slow 1-element-aligned kernels.
 HEAD_VOCAB_MULTIPLE = 64
@@ -393,11 +395,15 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     gradients are computed in forward, chunk by chunk (dlogits = w_i / sum w (softmax - onehot)), and backward only
     scales them: no logits are kept, and no extra matmul is spent recomputing them. The matmuls run on the
     weight padded with zero rows to a multiple of HEAD_VOCAB_MULTIPLE; the padded logits are -inf, so the softmax,
-    the loss and the gradients are those of the unpadded vocabulary."""
+    the loss and the gradients are those of the unpadded vocabulary. fused: each chunk's cross-entropy and dlogits
+    on sentinels/head_loss_kernels.py's two kernels (the logits stay in the matmul's dtype), else on torch's
+    elementwise kernels over an fp32 copy."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, weights: Tensor, total: Tensor | float,
-                compute_dtype: torch.dtype, chunk_rows: int) -> Tensor:
+                compute_dtype: torch.dtype, chunk_rows: int, fused: bool) -> Tensor:
+        if fused:
+            from .head_loss_kernels import softmax_cross_entropy_
         h = hidden.reshape(-1, hidden.shape[-1])
         vocab = weight.shape[0]
         padded_vocab = -(-vocab // HEAD_VOCAB_MULTIPLE) * HEAD_VOCAB_MULTIPLE
@@ -412,14 +418,18 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 ignored = yc == IGNORE_INDEX  # F.cross_entropy's ignore_index: no loss, no gradient, still counted
                 yc = yc.masked_fill(ignored, 0)
                 wc = weights[rows].masked_fill(ignored, 0) / total
-                logits = (hc @ w.t()).float()
-                logits[:, vocab:] = float("-inf")  # the padding rows: probability 0, gradient 0
-                lse = torch.logsumexp(logits, dim=-1)
-                target = logits.gather(1, yc[:, None]).squeeze(1)
-                loss += ((lse - target) * wc).sum()
-                dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
-                dlogits[torch.arange(yc.shape[0], device=yc.device), yc] -= 1
-                dlogits = (dlogits * wc[:, None]).to(compute_dtype)
+                if fused:  # the same fp32 math in two passes over the logits, kept in the matmul's dtype
+                    dlogits = hc @ w.t()
+                    loss += softmax_cross_entropy_(dlogits, yc, wc, vocab).sum()
+                else:
+                    logits = (hc @ w.t()).float()
+                    logits[:, vocab:] = float("-inf")  # the padding rows: probability 0, gradient 0
+                    lse = torch.logsumexp(logits, dim=-1)
+                    target = logits.gather(1, yc[:, None]).squeeze(1)
+                    loss += ((lse - target) * wc).sum()
+                    dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+                    dlogits[torch.arange(yc.shape[0], device=yc.device), yc] -= 1
+                    dlogits = (dlogits * wc[:, None]).to(compute_dtype)
                 grad_h[rows] = (dlogits @ w).to(h.dtype)
                 grad_w += (dlogits.t() @ hc).float()
         ctx.save_for_backward(grad_h.view_as(hidden), grad_w[:vocab])
@@ -430,14 +440,16 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         grad_h, grad_w = ctx.saved_tensors
         return grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, \
-            None, None
+            None, None, None
 
 
 def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tensor | None = None, *,
-                 chunk_rows: int = LOSS_CHUNK_ROWS) -> Tensor:
+                 chunk_rows: int = LOSS_CHUNK_ROWS, fused: bool | None = None) -> Tensor:
     """lm_loss(hidden @ weight.T, labels, loss_mask) without the [.., vocab] logits: the head and the fp32
     cross-entropy over chunks of chunk_rows rows. Under autocast the head's matmuls run in the autocast dtype
-    as nn.Linear's would; the loss and its softmax are fp32."""
+    as nn.Linear's would; the loss and its softmax are fp32. fused: the cross-entropy of each chunk on two Triton
+    kernels (sentinels/head_loss_kernels.py) rather than torch's elementwise kernels; default: on CUDA when Triton
+    imports."""
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden's without its last dim), "
                          f"got {tuple(labels.shape)}")
@@ -450,5 +462,7 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tens
     device_type = hidden.device.type
     compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                      else torch.promote_types(hidden.dtype, weight.dtype))
+    if fused is None:
+        fused = hidden.is_cuda and importlib.util.find_spec("triton") is not None
     return _ChunkedHeadCrossEntropy.apply(hidden, weight, flat_labels, weights, total, compute_dtype,
-                                          max(1, chunk_rows))
+                                          max(1, chunk_rows), fused)

@@ -186,3 +186,32 @@ def test_the_chunked_loss_refuses_bad_labels_and_empty_masks():
         lm_head_loss(hidden, weight, torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="loss_mask selects no position"):
         lm_head_loss(hidden, weight, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [11, 64, 65])  # padded for the matmuls (to 64, none, 128)
+def test_fused_head_loss_equals_the_torch_path(dtype, vocab):
+    """The Triton cross-entropy of each chunk (fused=True; the interpreter here) gives the torch path's loss and
+    gradients: the same fp32 math on the same rounded logits, the logsumexp summed in another order. In bf16 the
+    tolerance is the torch path's own distance from the float64 loss (the interpreter's fp32 -> bf16 casts
+    truncate, so the fused dlogits may round one bf16 ulp lower)."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 9, 6, generator=g).to(dtype).requires_grad_(True)
+    weight = torch.randn(vocab, 6, generator=g).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, vocab, (2, 9), generator=g)
+    labels[0, 2] = -100
+    mask = (torch.rand(2, 9, generator=g) < 0.7).float()
+    results = []
+    for fused in (False, True):
+        loss = lm_head_loss(hidden, weight, labels, mask, chunk_rows=7, fused=fused)
+        results.append((loss, *torch.autograd.grad(2.0 * loss, (hidden, weight))))
+    exact_h, exact_w = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    exact = lm_loss(exact_h @ exact_w.t(), labels, mask.double())
+    exact = (exact, *torch.autograd.grad(2.0 * exact, (exact_h, exact_w)))
+    for name, torch_path, fused, want in zip(("loss", "d/dhidden", "d/dweight"), *results, exact):
+        assert fused.dtype == torch_path.dtype, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(fused, torch_path, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            own = (torch_path.double() - want).abs().max().item()
+            assert (fused.double() - want).abs().max().item() <= 2 * own + 1e-6, name
