@@ -74,8 +74,9 @@ def phi_mlp_chunked(x: Tensor, w: PhiMLPWeights, cfg: NSAConfig) -> Tensor:
 
 
 def _differentiated(k: Tensor, v: Tensor | None, phi: PhiWeights) -> bool:
-    """Whether autograd records Eq. 7 on these inputs (grad mode on and one of them requires a gradient)."""
-    weights = (t for w in (phi.k, phi.v) for t in (w.pos, w.w1, w.b1, w.w2, w.b2))
+    """Whether autograd records Eq. 7 on these inputs (grad mode on and one of them requires a gradient); without v
+    (the keys only) phi.v's weights are not read, so they do not count."""
+    weights = (t for w in ((phi.k,) if v is None else (phi.k, phi.v)) for t in (w.pos, w.w1, w.b1, w.w2, w.b2))
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k, v, *weights))
 
 

@@ -80,3 +80,20 @@ def test_compress_chunked_only_where_autograd_records_it(monkeypatch) -> None:
     with torch.no_grad():
         compression.compress_unrounded(k, None, cfg, phi, chunked=True)
     assert not calls
+
+
+def test_compress_keys_only_ignores_the_value_phi_weights(monkeypatch) -> None:
+    """Without v only phi.k is read: phi.v's weights requiring gradients do not make autograd record the keys'
+    Eq. 7, so the keys keep the blocks' matmul; phi.k's do."""
+    calls = []
+    real = compression.phi_mlp_chunked
+    monkeypatch.setattr(compression, "phi_mlp_chunked", lambda *a: calls.append(1) or real(*a))
+    cfg = _cfg(8, 4)
+    k = torch.randn(1, 20, 2, 6)
+    phi = PhiWeights.init(cfg, 5)
+    phi.v.w1.requires_grad_(True)
+    compression.compress_unrounded(k, None, cfg, phi, chunked=True)
+    assert not calls
+    phi.k.w1.requires_grad_(True)
+    compression.compress_unrounded(k, None, cfg, phi, chunked=True)
+    assert calls
