@@ -12,7 +12,8 @@ own step range). A GPU kernel counts toward the region of the op that launched i
 the region of the forward op whose autograd node ran it (the profiler's sequence numbers link each backward node to
 its forward op). Categories:
 
-- attention kernels: optimized's Triton kernels (NSA) or SDPA's kernels (dense), in any region;
+- attention kernels: optimized's Triton kernels (NSA) or SDPA's kernels (dense), in any region, also those the
+  profiler links to no op (by name; forward when they ran inside a region's range);
 - the rest of attention: projections, gate MLP, RoPE, the NSA call's other kernels (phi, scoring glue, casts),
   statistics, casts around the call;
 - MLP; embedding, norms, residual adds, LM head and loss; optimizer; other (data copies, gradient accumulation,
@@ -186,6 +187,34 @@ def regions(trainer) -> Iterator[None]:
 
 # Attribution ------------------------------------------------------------------------------------------------------
 
+def _claim_attention_kernels_no_op_launched(events, units, times, names) -> None:
+    """Attention kernels on the GPU timeline that no CPU event lists among its launches (the profiler leaves some
+    Triton launches unlinked, e.g. the selection's scoring and top-n kernels): counted as attention kernels by name,
+    in the forward when every launch of that name starts inside a region's range on the GPU timeline (the ranges'
+    user annotations), else outside."""
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_async]
+    launches: dict[str, list[Any]] = defaultdict(list)
+    for e in device:
+        if not getattr(e, "is_user_annotation", False):
+            launches[e.name].append(e)
+    claimed: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, duration, _ in units:
+        claimed[name][0] += 1
+        claimed[name][1] += duration
+    regions = None
+    for name, runs in launches.items():
+        count, us = len(runs) - claimed[name][0], sum(e.time_range.elapsed_us() for e in runs) - claimed[name][1]
+        if count <= 0 or us <= 0 or not is_attention_kernel(name):
+            continue
+        if regions is None:
+            regions = [(e.time_range.start, e.time_range.end) for e in device
+                       if getattr(e, "is_user_annotation", False) and e.name.startswith(REGION)]
+        inside = all(any(a <= e.time_range.start <= b for a, b in regions) for e in runs)
+        times[(ATTENTION_KERNELS, "forward" if inside else "outside")] += us
+        names[(ATTENTION_KERNELS, name)][0] += us
+        names[(ATTENTION_KERNELS, name)][1] += count
+
+
 def _chain(event) -> Iterator[Any]:
     while event is not None:
         yield event
@@ -255,6 +284,8 @@ def attribute(events, on_cuda: bool) -> tuple[dict[tuple[str, str], float], dict
         times[(category, direction)] += duration
         names[(category, name)][0] += duration
         names[(category, name)][1] += 1
+    if on_cuda:
+        _claim_attention_kernels_no_op_launched(events, units, times, names)
     unclaimed = total - sum(times.values())
     if unclaimed > 0:
         times[(OTHER, "outside")] += unclaimed

@@ -201,3 +201,34 @@ def test_profile_attribution_on_cuda_skips_the_ranges_user_annotations():
     assert total == 3.0
     assert sum(times.values()) == 3.0
     assert (REGION + "mlp") not in {name for _, name in names}
+
+
+def test_profile_attribution_claims_attention_kernels_no_op_launched():
+    """Some Triton launches reach the GPU timeline without a CPU event listing them (the selection's scoring and
+    top-n kernels): they count as attention kernels by name, in the forward when they ran inside a region's range,
+    and are no longer left to "other". A non-attention kernel without an op stays unclaimed."""
+    from types import SimpleNamespace
+
+    from perf.train_profile import ATTENTION_KERNELS, OTHER, REGION, attribute
+
+    cpu_type, cuda_type = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def span(start: float, us: float):
+        return SimpleNamespace(elapsed_us=lambda: us, start=start, end=start + us)
+
+    region = SimpleNamespace(name=REGION + "attention/nsa", device_type=cpu_type, is_async=False, thread=1,
+                             sequence_nr=-1, cpu_parent=None, time_range=span(0.0, 20.0), kernels=[])
+    device = [SimpleNamespace(name="_group_scores_kernel", device_type=cuda_type, is_async=False,
+                              is_user_annotation=False, time_range=span(2.0, 4.0)),
+              SimpleNamespace(name="_select_top_n_kernel", device_type=cuda_type, is_async=False,
+                              is_user_annotation=False, time_range=span(30.0, 5.0)),
+              SimpleNamespace(name="some_copy_kernel", device_type=cuda_type, is_async=False,
+                              is_user_annotation=False, time_range=span(8.0, 1.0)),
+              SimpleNamespace(name=REGION + "attention/nsa", device_type=cuda_type, is_async=False,
+                              is_user_annotation=True, time_range=span(0.0, 20.0))]
+    times, names, total = attribute([region, *device], on_cuda=True)
+    assert total == 10.0
+    assert times[(ATTENTION_KERNELS, "forward")] == 4.0  # inside the region's range
+    assert times[(ATTENTION_KERNELS, "outside")] == 5.0  # after it
+    assert times[(OTHER, "outside")] == 1.0
+    assert names[(ATTENTION_KERNELS, "_group_scores_kernel")] == [4.0, 1]
