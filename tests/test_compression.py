@@ -64,14 +64,18 @@ def test_compress_chunked_takes_phi_mlp_only_over_independent_rows(monkeypatch) 
         compression.compress_unrounded(k, None, cfg, phi, chunked=True)
 
 
-def test_compress_chunked_only_where_autograd_records_it(monkeypatch) -> None:
-    """A forward without gradients keeps the blocks' matmul (as fast there); with a gradient to take, the chunks."""
+def _chunked_calls(monkeypatch) -> tuple[list, NSAConfig, torch.Tensor, PhiWeights]:
+    """A list that phi_mlp_chunked appends to at each call, and a config, keys and phi weights to compress."""
     calls = []
     real = compression.phi_mlp_chunked
     monkeypatch.setattr(compression, "phi_mlp_chunked", lambda *a: calls.append(1) or real(*a))
     cfg = _cfg(8, 4)
-    k = torch.randn(1, 20, 2, 6)
-    phi = PhiWeights.init(cfg, 5)
+    return calls, cfg, torch.randn(1, 20, 2, 6), PhiWeights.init(cfg, 5)
+
+
+def test_compress_chunked_only_where_autograd_records_it(monkeypatch) -> None:
+    """A forward without gradients keeps the blocks' matmul (as fast there); with a gradient to take, the chunks."""
+    calls, cfg, k, phi = _chunked_calls(monkeypatch)
     compression.compress_unrounded(k, None, cfg, phi, chunked=True)
     assert not calls
     compression.compress_unrounded(k.requires_grad_(True), None, cfg, phi, chunked=True)
@@ -85,12 +89,7 @@ def test_compress_chunked_only_where_autograd_records_it(monkeypatch) -> None:
 def test_compress_keys_only_ignores_the_value_phi_weights(monkeypatch) -> None:
     """Without v only phi.k is read: phi.v's weights requiring gradients do not make autograd record the keys'
     Eq. 7, so the keys keep the blocks' matmul; phi.k's do."""
-    calls = []
-    real = compression.phi_mlp_chunked
-    monkeypatch.setattr(compression, "phi_mlp_chunked", lambda *a: calls.append(1) or real(*a))
-    cfg = _cfg(8, 4)
-    k = torch.randn(1, 20, 2, 6)
-    phi = PhiWeights.init(cfg, 5)
+    calls, cfg, k, phi = _chunked_calls(monkeypatch)
     phi.v.w1.requires_grad_(True)
     compression.compress_unrounded(k, None, cfg, phi, chunked=True)
     assert not calls
