@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -464,5 +465,8 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tens
                      else torch.promote_types(hidden.dtype, weight.dtype))
     if fused is None:
         fused = hidden.is_cuda and importlib.util.find_spec("triton") is not None
+    elif fused and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"lm_head_loss: fused=True runs Triton kernels, which need CUDA tensors (or "
+                         f"TRITON_INTERPRET=1 set before Triton is imported); hidden is on {hidden.device}")
     return _ChunkedHeadCrossEntropy.apply(hidden, weight, flat_labels, weights, total, compute_dtype,
                                           max(1, chunk_rows), fused)

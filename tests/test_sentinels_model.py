@@ -215,3 +215,9 @@ def test_fused_head_loss_equals_the_torch_path(dtype, vocab):
         else:
             own = (torch_path.double() - want).abs().max().item()
             assert (fused.double() - want).abs().max().item() <= 2 * own + 1e-6, name
+
+
+def test_fused_head_loss_on_cpu_without_the_interpreter_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="fused=True runs Triton kernels, which need CUDA tensors"):
+        lm_head_loss(torch.randn(1, 4, 3), torch.randn(5, 3), torch.zeros(1, 4, dtype=torch.long), fused=True)
