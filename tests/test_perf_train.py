@@ -206,7 +206,7 @@ def test_profile_attribution_on_cuda_skips_the_ranges_user_annotations():
 def test_profile_attribution_claims_attention_kernels_no_op_launched():
     """Some Triton launches reach the GPU timeline without a CPU event listing them (the selection's scoring and
     top-n kernels): they count as attention kernels by name, in the forward when they ran inside a region's range,
-    and are no longer left to "other". A non-attention kernel without an op stays unclaimed."""
+    rather than left to "other". A non-attention kernel without an op stays unclaimed."""
     from types import SimpleNamespace
 
     from perf.train_profile import ATTENTION_KERNELS, OTHER, REGION, attribute
