@@ -16,9 +16,7 @@ document alone would.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -463,9 +461,11 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tens
     device_type = hidden.device.type
     compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                      else torch.promote_types(hidden.dtype, weight.dtype))
+    from optimized.dispatch import interpreting, triton_imports
+
     if fused is None:
-        fused = hidden.is_cuda and importlib.util.find_spec("triton") is not None
-    elif fused and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        fused = hidden.is_cuda and triton_imports()
+    elif fused and not hidden.is_cuda and not interpreting():
         raise ValueError(f"lm_head_loss: fused=True runs Triton kernels, which need CUDA tensors (or "
                          f"TRITON_INTERPRET=1 set before Triton is imported); hidden is on {hidden.device}")
     return _ChunkedHeadCrossEntropy.apply(hidden, weight, flat_labels, weights, total, compute_dtype,
