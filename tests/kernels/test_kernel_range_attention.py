@@ -20,8 +20,9 @@ from tests.kernels.parity import low_precision_example
 from optimized import masks
 from optimized.documents import documents, visible_compressed
 from optimized.kernels import range_attention_lse2, range_attention_naive, range_logsumexp2, triton_range_attention
-from optimized.kernels.range_attention_bwd import (dkdv_split, range_attention_backward, range_attention_delta,
-                                                   reading_rows, sum_parts)
+from optimized.kernels.range_attention_bwd import (MIN_CHUNK_ROWS, SHORT_RUN_DKDV_PROGRAMS, dkdv_chunks, dkdv_parts,
+                                                   dkdv_split, range_attention_backward, range_attention_delta,
+                                                   reading_rows, rows_shared_in_l2, sum_parts)
 from optimized.kernels.common import RangeTiling
 from optimized.kernels.range_attention import compressed_ranges, range_attention_forward, range_reads, window_ranges
 from reference.config import NSAConfig
@@ -359,8 +360,6 @@ def test_shared_row_chunks_are_taken_for_long_runs_of_rows_past_the_l2_cache() -
     """The default dk/dv split: shared row chunks only when there are fewer keys than query rows and one sequence's
     q and dO exceed twice the L2 cache (50 MiB off CUDA); their count gives ~4x the programs of the equal parts, or
     chunks of ~4096 rows where that is more, at least MIN_CHUNK_ROWS rows each, within the workspace budget."""
-    from optimized.kernels.range_attention_bwd import MIN_CHUNK_ROWS, dkdv_chunks, rows_shared_in_l2
-
     def q_of(T, Hq=64, d=128, dtype=torch.bfloat16):
         return torch.empty((1, T, Hq, d), device="meta", dtype=dtype)
 
@@ -376,11 +375,9 @@ def test_shared_row_chunks_are_taken_for_long_runs_of_rows_past_the_l2_cache() -
     assert dkdv_chunks(128, 4, 1, 131072, 8192 * paper) == 16  # 32 chunks of 4096 rows: 1 GiB of workspace
     assert dkdv_chunks(1, 1, 1, 100, 1) == 1
     # equal parts: the window (short runs) fills the GPU at 512 programs, the compressed branch at 1024
-    from optimized.kernels.range_attention_bwd import SHORT_RUN_DKDV_PROGRAMS
     assert dkdv_split(256, 2, 1, 16384, 32, SHORT_RUN_DKDV_PROGRAMS) == 1 and dkdv_split(256, 2, 1, 16384, 32) == 2
     assert dkdv_split(16, 2, 1, 1024, 32, SHORT_RUN_DKDV_PROGRAMS) == 16
     # the launch's default count picks among them by layout: window-like, compressed-like, shared chunks
-    from optimized.kernels.range_attention_bwd import dkdv_parts
     assert dkdv_parts(False, 256, 2, 1, 16384, 16384, 32, 128) == 1
     assert dkdv_parts(False, 16, 2, 1, 16384, 1023, 32, 128) == 32
     assert dkdv_parts(True, 64, 4, 1, 65536, 4096, 2, 256) == 16
