@@ -64,8 +64,10 @@ def phi_mlp_chunked(x: Tensor, w: PhiMLPWeights, cfg: NSAConfig) -> Tensor:
     hidden = w1.shape[1]
     w1_parts = w1.view(m, d * D, hidden).permute(1, 0, 2).reshape(d * D, m * hidden)
     # back to cd after the matmul (autocast returns its own dtype): the parts are summed in cd, as phi_mlp's
-    # matmul result meets b1 in cd
-    parts = (chunks.to(cd) @ w1_parts).to(cd).view(B, n_chunks, H, m, hidden)
+    # matmul result meets b1 in cd. Under autocast to x's own dtype the matmul would narrow widened rows straight
+    # back (an exact round trip, a copy each way and two more in backward): it takes them as they are.
+    narrowed_back = torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == x.dtype
+    parts = ((chunks if narrowed_back else chunks.to(cd)) @ w1_parts).to(cd).view(B, n_chunks, H, m, hidden)
     pre = parts[:, :n_blocks, :, 0]
     for a in range(1, m):
         pre = pre + parts[:, a:a + n_blocks, :, a]

@@ -232,7 +232,7 @@ def _document_block_offsets(cu_seqlens: Tensor, sel_block: int) -> tuple[Tensor,
 @torch.no_grad()
 def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
                  block_offsets: tuple[Tensor, int] | None = None) -> LayerStats:
-    g = gates.detach().float().reshape(-1, 3)
+    g = gates.detach().reshape(-1, 3)
     idx = out.indices.detach()  # [B, T, Hkv, n], -1 padded; packed: document-relative block numbers
     B, _, Hkv, _ = idx.shape
     n_blocks = max(1, -(-T // cfg.sel_block))
@@ -240,17 +240,17 @@ def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
         offsets, n_blocks = block_offsets
         idx = torch.where(idx >= 0, idx + offsets[None, :, None, None], idx)
         n_blocks = max(1, n_blocks)
-    rows = idx.permute(0, 2, 1, 3).reshape(B * Hkv, -1)  # [(b, g), T * n]
-    valid = rows >= 0
-    flat = torch.where(valid, rows + torch.arange(B * Hkv, device=rows.device)[:, None] * n_blocks,
-                       torch.full_like(rows, B * Hkv * n_blocks))
+    # block j of (sequence b, KV group g) is bit (b * Hkv + g) * n_blocks + j of a map of every block; -1 (no
+    # block) goes to the spare last bit. Built in place of idx's layout: no transposed copy of the indices.
+    row_of = torch.arange(B * Hkv, device=idx.device).view(B, 1, Hkv, 1) * n_blocks
+    flat = torch.where(idx >= 0, idx + row_of, B * Hkv * n_blocks).reshape(-1)
     # which blocks were hit, by a scatter of ones (not a count: a scatter-add serialises on block 0, which every
     # query selects; torch.bincount reads its input's maximum back to the host on CUDA, a sync per layer)
-    flat = flat.reshape(-1)
     hit = torch.zeros(B * Hkv * n_blocks + 1, dtype=torch.uint8, device=flat.device).scatter_(0, flat, 1)
-    distinct = hit[:-1].view(B * Hkv, n_blocks).sum(dim=1).float().mean()
+    distinct = hit[:-1].sum(dtype=torch.float32) / (B * Hkv)  # the mean over (b, g) of its distinct blocks
     reads = torch.stack([getattr(out.reads, b).detach().sum() for b in BRANCHES])
-    return LayerStats(gate_mean=g.mean(0), gate_max=g.max(0).values, distinct_blocks=distinct, reads=reads)
+    return LayerStats(gate_mean=g.mean(0, dtype=torch.float32), gate_max=g.amax(0).float(), distinct_blocks=distinct,
+                      reads=reads)
 
 
 class DecoderBlock(nn.Module):

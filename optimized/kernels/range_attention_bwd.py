@@ -227,12 +227,15 @@ def _range_attention_dkdv_kernel(
 
 def reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tuple[Tensor, Tensor]:
     """For each key tile [i*block_n, min((i+1)*block_n, n_keys) - 1]: the first row whose range can reach it
-    (hi >= tile start) and the last one (lo <= tile end); int32 [n_tiles]. lo/hi must be non-decreasing."""
-    starts = torch.arange(0, n_keys, block_n, device=lo.device, dtype=torch.int64)
-    ends = torch.clamp(starts + block_n, max=n_keys) - 1
-    first = torch.searchsorted(hi.to(torch.int64).contiguous(), starts, right=False)
-    last = torch.searchsorted(lo.to(torch.int64).contiguous(), ends, right=True) - 1
-    return first.to(torch.int32), last.to(torch.int32)
+    (hi >= tile start) and the last one (lo <= tile end); int32 [n_tiles]. lo/hi must be non-decreasing.
+    Searched in int32 (the kernels' range dtype), so a backward spends no launch widening the ranges or narrowing
+    the answers."""
+    lo, hi = (x.to(torch.int32).contiguous() for x in (lo, hi))
+    starts = torch.arange(0, n_keys, block_n, device=lo.device, dtype=torch.int32)
+    ends = torch.arange(block_n - 1, n_keys + block_n - 1, block_n, device=lo.device, dtype=torch.int32)
+    first = torch.searchsorted(hi, starts, right=False, out_int32=True)
+    last = torch.searchsorted(lo, ends.clamp_(max=n_keys - 1), right=True, out_int32=True) - 1
+    return first, last
 
 
 DKDV_PROGRAMS = 1024  # the dk/dv launch splits rows until it has about this many programs (132 SMs x ~8)
