@@ -1,6 +1,7 @@
 """Inverted selection index for the deterministic dk/dv backward: for each (batch, KV group, selection block),
-the query rows that selected it, as CSR built with torch ops (stable sort + binary searches), split into
-work items of at most `queries_per_item` queries.
+the query rows that selected it, as CSR (a stable torch sort of the entries' keys, then two small kernels:
+each key's run in the sorted keys by binary search, and the work items of at most `queries_per_item` queries by
+binary search over the running count of items; a few launches where torch ops took about forty).
 
 A block selected by many queries (block 0 is forced for every query, Eq. 11) would make one program loop over
 all TQ queries; such blocks are split over several items whose fp32 partial dk/dv go to workspace slots and
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 MIN_QUERIES_PER_ITEM = 64
@@ -130,34 +132,115 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
     t_ix = torch.arange(TQ, device=device, dtype=torch.int32).view(1, TQ, 1, 1).expand(blocks.shape).reshape(-1)
     query_rows = t_ix[order]
 
-    # each key's run in the sorted keys (binary searches: no atomics on the blocks every query selects, and no
-    # torch.bincount, which reads the largest key back to the host on CUDA)
-    key_ids = torch.arange(n_keys, device=device, dtype=key_dtype)
-    key_begin = torch.searchsorted(sorted_key, key_ids)
-    key_end = torch.searchsorted(sorted_key, key_ids, right=True)
-    counts = key_end - key_begin
     per_item = queries_per_item or default_queries_per_item(TQ, indices.shape[-1], n_blocks)
-    items_per_key = (counts + per_item - 1) // per_item
-
     # sum_k ceil(c_k / per_item) <= n_keys + E / per_item; a split key (c > per_item) has fewer than
     # 2 c / per_item items, so the split keys' slots number fewer than 2 E / per_item
     n_items = n_keys + -(-n_entries // per_item)
     n_slots = min(n_items, -(-2 * n_entries // per_item)) + 1  # + the spare slot of the padding items
-    padding = n_items - items_per_key.sum(0, keepdim=True)
-    item_key = torch.repeat_interleave(torch.arange(n_keys + 1, device=device),
-                                       torch.cat([items_per_key, padding]), output_size=n_items)
-    is_padding = item_key == n_keys
-    item_key = item_key.masked_fill(is_padding, 0)
-    first_item = torch.cumsum(items_per_key, 0) - items_per_key
-    rank = torch.arange(n_items, device=device) - first_item[item_key]
-    item_begin = (key_begin[item_key] + rank * per_item).masked_fill(is_padding, 0)
-    item_end = torch.minimum(item_begin + per_item, key_end[item_key]).masked_fill(is_padding, 0)
-    is_split = (items_per_key[item_key] > 1) & ~is_padding
-    item_slot = torch.where(is_split, torch.cumsum(is_split.long(), 0) - 1, -1).masked_fill(is_padding, n_slots - 1)
+    item_key, item_begin, item_end, item_slot, split_key, slot_begin, slot_end = _work_items(
+        sorted_key, n_keys, n_items, n_slots, per_item)
 
-    split_key = torch.arange(n_keys, device=device)
-    split_items = torch.where(items_per_key > 1, items_per_key, 0)
-    slot_end = torch.cumsum(split_items, 0)
-    slot_begin = slot_end - split_items
     return InvertedIndex(n_blocks, n_slots, query_rows, item_key, item_begin, item_end, item_slot,
                          split_key, slot_begin, slot_end, block_base, block_end)
+
+
+KEY_BLOCK = 1024  # keys (first kernel) or work items (second) per program
+
+
+@triton.jit
+def _key_runs_kernel(SORTED, n_entries, n_keys, per_item, steps, BEGIN, END, COUNTS, BLOCK: tl.constexpr):
+    """For keys k of this program's block: their run [BEGIN[k], END[k]) in the sorted keys (lower and upper bound,
+    `steps` halvings of [0, n_entries]), the run's work items COUNTS[0, k] = ceil(run / per_item) and, for a split
+    key (more than one item), its workspace slots COUNTS[1, k] (0 otherwise)."""
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = k < n_keys
+    lo_b = tl.zeros([BLOCK], dtype=tl.int64)
+    hi_b = tl.zeros([BLOCK], dtype=tl.int64) + n_entries
+    lo_e = tl.zeros([BLOCK], dtype=tl.int64)
+    hi_e = tl.zeros([BLOCK], dtype=tl.int64) + n_entries
+    for _ in range(steps):
+        mid_b = (lo_b + hi_b) // 2
+        open_b = lo_b < hi_b
+        key_b = tl.load(SORTED + mid_b, mask=valid & open_b, other=0).to(tl.int64)
+        right_b = open_b & (key_b < k)
+        lo_b = tl.where(right_b, mid_b + 1, lo_b)
+        hi_b = tl.where(open_b & ~right_b, mid_b, hi_b)
+        mid_e = (lo_e + hi_e) // 2
+        open_e = lo_e < hi_e
+        key_e = tl.load(SORTED + mid_e, mask=valid & open_e, other=0).to(tl.int64)
+        right_e = open_e & (key_e <= k)
+        lo_e = tl.where(right_e, mid_e + 1, lo_e)
+        hi_e = tl.where(open_e & ~right_e, mid_e, hi_e)
+    items = (lo_e - lo_b + per_item - 1) // per_item
+    tl.store(BEGIN + k, lo_b, mask=valid)
+    tl.store(END + k, lo_e, mask=valid)
+    tl.store(COUNTS + k, items, mask=valid)
+    tl.store(COUNTS + n_keys + k, tl.where(items > 1, items, 0), mask=valid)
+
+
+@triton.jit
+def _work_items_kernel(BEGIN, END, COUNTS, TOTALS, n_keys, n_items, per_item, spare_slot, steps,
+                       ITEM_KEY, ITEM_BEGIN, ITEM_END, ITEM_SLOT, SPLIT_KEY, SLOT_BEGIN, BLOCK: tl.constexpr):
+    """Work item i of this program's block: its key is the first whose running item total TOTALS[0, k] (inclusive)
+    exceeds i, its rank r = i - the items before that key; it covers the key's run from BEGIN + r * per_item, at
+    most per_item rows, and writes to workspace slot (slots before the key) + r when the key is split, else -1.
+    Items past every key's are padding (key 0, no rows, the spare slot). The program's block of keys also gets
+    SPLIT_KEY = k and SLOT_BEGIN = its first slot (TOTALS[1] holds the slot ends)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < n_items
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + n_keys
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        open_ = lo < hi
+        total = tl.load(TOTALS + mid, mask=valid & open_, other=0)
+        right = open_ & (total <= i)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(open_ & ~right, mid, hi)
+    padding = lo >= n_keys
+    key = tl.where(padding, 0, lo)
+    real = valid & ~padding
+    items = tl.load(COUNTS + key, mask=real, other=0)
+    slots = tl.load(COUNTS + n_keys + key, mask=real, other=0)
+    rank = i - (tl.load(TOTALS + key, mask=real, other=0) - items)
+    begin = tl.load(BEGIN + key, mask=real, other=0) + rank * per_item
+    end = tl.minimum(begin + per_item, tl.load(END + key, mask=real, other=0))
+    first_slot = tl.load(TOTALS + n_keys + key, mask=real, other=0) - slots
+    slot = tl.where(items > 1, first_slot + rank, -1)
+    tl.store(ITEM_KEY + i, key, mask=valid)
+    tl.store(ITEM_BEGIN + i, tl.where(padding, 0, begin), mask=valid)
+    tl.store(ITEM_END + i, tl.where(padding, 0, end), mask=valid)
+    tl.store(ITEM_SLOT + i, tl.where(padding, spare_slot, slot), mask=valid)
+    own = i < n_keys
+    tl.store(SPLIT_KEY + i, i, mask=own)
+    own_slots = tl.load(COUNTS + n_keys + i, mask=own, other=0)
+    tl.store(SLOT_BEGIN + i, tl.load(TOTALS + n_keys + i, mask=own, other=0) - own_slots, mask=own)
+
+
+def _halvings(n: int) -> int:
+    """Binary-search steps that shrink any interval of [0, n] to a point."""
+    return max(1, int(n).bit_length() + 1)
+
+
+def _work_items(sorted_key: Tensor, n_keys: int, n_items: int, n_slots: int, per_item: int) -> tuple[Tensor, ...]:
+    """(item_key, item_begin, item_end, item_slot, split_key, slot_begin, slot_end), int64, of the InvertedIndex
+    over the stably sorted entry keys (keys 0 .. n_keys - 1 kept, n_keys for entries not kept)."""
+    device = sorted_key.device
+    n_entries = sorted_key.numel()
+    begin = torch.empty(n_keys, dtype=torch.int64, device=device)
+    end = torch.empty_like(begin)
+    counts = torch.empty((2, n_keys), dtype=torch.int64, device=device)  # items of each key, slots of each key
+    if n_keys:
+        _key_runs_kernel[(triton.cdiv(n_keys, KEY_BLOCK),)](sorted_key, n_entries, n_keys, per_item,
+                                                            _halvings(n_entries), begin, end, counts,
+                                                            BLOCK=KEY_BLOCK)
+    totals = torch.cumsum(counts, dim=1)  # running items (row 0) and slot ends (row 1)
+    item_key, item_begin, item_end, item_slot = (torch.empty(n_items, dtype=torch.int64, device=device)
+                                                 for _ in range(4))
+    split_key = torch.empty(n_keys, dtype=torch.int64, device=device)
+    slot_begin = torch.empty_like(split_key)
+    if n_items:
+        _work_items_kernel[(triton.cdiv(max(n_items, n_keys), KEY_BLOCK),)](
+            begin, end, counts, totals, n_keys, n_items, per_item, n_slots - 1, _halvings(n_keys),
+            item_key, item_begin, item_end, item_slot, split_key, slot_begin, BLOCK=KEY_BLOCK)
+    return item_key, item_begin, item_end, item_slot, split_key, slot_begin, totals[1]
