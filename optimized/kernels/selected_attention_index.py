@@ -99,15 +99,11 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
     doc_start of the rows (or n_keys_total); its block j covers keys doc_start[t] + j * sel_block .. and the
     clip is j * sel_block <= p - doc_start[t].
     """
-    B, TQ, Hkv, _ = indices.shape
+    B, TQ, Hkv, n_sel = indices.shape
     device = indices.device
-    blocks = indices.long()
-    positions = torch.arange(n_keys_total - TQ, n_keys_total, device=device).view(1, TQ, 1, 1)
-    block_base = block_end = None
+    block_base = block_end = row_start = row_first_block = None
     if doc_start is None:
         n_blocks = -(-n_keys_total // sel_block)
-        kept = (blocks >= 0) & (blocks * sel_block <= positions)
-        block_id = blocks
     else:
         starts = doc_start.long()
         doc_first, row_doc = torch.unique(starts, sorted=True, return_inverse=True)
@@ -115,21 +111,23 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
         doc_blocks = (doc_stop - doc_first + sel_block - 1) // sel_block
         first_block = torch.cumsum(doc_blocks, 0) - doc_blocks
         n_blocks = int(doc_blocks.sum())
-        kept = (blocks >= 0) & (blocks * sel_block <= positions - starts.view(1, TQ, 1, 1))
-        block_id = first_block[row_doc].view(1, TQ, 1, 1) + blocks
+        row_start, row_first_block = starts.contiguous(), first_block[row_doc].contiguous()
         block_doc = torch.repeat_interleave(torch.arange(doc_first.numel(), device=device), doc_blocks)
         block_base = doc_first[block_doc] + (torch.arange(n_blocks, device=device) - first_block[block_doc]) * sel_block
         block_end = doc_stop[block_doc]
     n_keys = B * Hkv * n_blocks
-    n_entries = kept.numel()
-    # every entry, kept or not, in row-major order (t ascending for a fixed (b, g)); the others sort last
-    b_ix = torch.arange(B, device=device).view(B, 1, 1, 1)
-    g_ix = torch.arange(Hkv, device=device).view(1, 1, Hkv, 1)
-    # keys 0 .. n_keys in the narrowest integer type: a radix sort makes one pass per key byte
-    key_dtype = _key_dtype(n_keys)
-    key = torch.where(kept, (b_ix * Hkv + g_ix) * n_blocks + block_id, n_keys).reshape(-1).to(key_dtype)
+    n_entries = indices.numel()
+    # every entry, kept or not, in row-major order (t ascending for a fixed (b, g)); the others sort last.
+    # Keys 0 .. n_keys in the narrowest integer type: a radix sort makes one pass per key byte
+    key = torch.empty(n_entries, dtype=_key_dtype(n_keys), device=device)
+    if n_entries:
+        packed = row_start is not None
+        _entry_keys_kernel[(triton.cdiv(n_entries, KEY_BLOCK),)](
+            indices, *indices.stride(), row_start if packed else key, row_first_block if packed else key, key,
+            TQ, Hkv, n_sel, n_keys_total - TQ, sel_block, n_blocks, n_keys, n_entries, PACKED=packed,
+            BLOCK=KEY_BLOCK)
     sorted_key, order = torch.sort(key, stable=True)
-    t_ix = torch.arange(TQ, device=device, dtype=torch.int32).view(1, TQ, 1, 1).expand(blocks.shape).reshape(-1)
+    t_ix = torch.arange(TQ, device=device, dtype=torch.int32).view(1, TQ, 1, 1).expand(indices.shape).reshape(-1)
     query_rows = t_ix[order]
 
     per_item = queries_per_item or default_queries_per_item(TQ, indices.shape[-1], n_blocks)
@@ -145,6 +143,34 @@ def build_inverted_index(indices: Tensor, n_keys_total: int, sel_block: int,
 
 
 KEY_BLOCK = 1024  # keys (first kernel) or work items (second) per program
+
+
+@triton.jit
+def _entry_keys_kernel(IDX, stride_b, stride_t, stride_g, stride_s, ROW_START, ROW_FIRST_BLOCK, KEY,
+                       n_queries, n_kv_heads, n_sel, first_position, sel_block, n_blocks, n_keys, n_entries,
+                       PACKED: tl.constexpr, BLOCK: tl.constexpr):
+    """The sort key of every entry (b, t, g, slot) of the indices, in row-major order: (b * Hkv + g) * NB + block id
+    where the entry's block j has a visible key (j >= 0 and j * sel_block <= p, p = first_position + t, measured
+    from the document start in a packed batch, whose block ids start at the row's document's first block), else
+    n_keys (sorts after every kept entry)."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = e < n_entries
+    slot = e % n_sel
+    row = e // n_sel
+    g = row % n_kv_heads
+    t = (row // n_kv_heads) % n_queries
+    b = row // n_kv_heads // n_queries
+    j = tl.load(IDX + b * stride_b + t * stride_t + g * stride_g + slot * stride_s, mask=valid, other=-1)
+    j = j.to(tl.int64)
+    p = first_position + t
+    if PACKED:
+        p -= tl.load(ROW_START + t, mask=valid, other=0)
+        block_id = tl.load(ROW_FIRST_BLOCK + t, mask=valid, other=0) + j
+    else:
+        block_id = j
+    kept = (j >= 0) & (j * sel_block <= p)
+    key = tl.where(kept, (b * n_kv_heads + g) * n_blocks + block_id, n_keys)
+    tl.store(KEY + e, key.to(KEY.dtype.element_ty), mask=valid)
 
 
 @triton.jit
