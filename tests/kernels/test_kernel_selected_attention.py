@@ -320,6 +320,22 @@ def test_inverted_index_lists_every_selecting_query() -> None:
     assert slots_of, "no block was split: the test no longer covers the slots"
 
 
+def test_inverted_index_reads_the_indices_through_their_strides() -> None:
+    """The sort keys are read from the indices in place (the backward passes a row slice of them): a view whose
+    rows and slots are strided gives the index of its contiguous copy, int32 or int64."""
+    case = Case(tk=29, tq=20, n_kv_heads=2, group=1, dk=8, dv=8, sel_block=4, n_sel=3, batch=2)
+    wide = random_indices(Case(tk=29, tq=23, n_kv_heads=2, group=1, dk=8, dv=8, sel_block=4, n_sel=6, batch=2),
+                          seed=8)
+    for dtype in (torch.int64, torch.int32):
+        view = wide.to(dtype)[:, 3:, :, ::2]  # the last 20 rows, every other slot
+        assert not view.is_contiguous()
+        got = build_inverted_index(view, case.tk, case.sel_block, queries_per_item=3)
+        want = build_inverted_index(view.contiguous(), case.tk, case.sel_block, queries_per_item=3)
+        for name in ("query_rows", "item_key", "item_begin", "item_end", "item_slot", "slot_begin", "slot_end"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (dtype, name)
+        assert int((got.item_begin != got.item_end).sum()) > 0
+
+
 @pytest.mark.parametrize("n_blocks", [40, 40_000])
 def test_inverted_index_lists_queries_past_int16_block_ids(n_blocks: int) -> None:
     """Block ids past int16 (the index sorts its keys in the narrowest integer type that holds them): a few queries
