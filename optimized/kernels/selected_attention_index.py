@@ -1,7 +1,8 @@
 """Inverted selection index for the deterministic dk/dv backward: for each (batch, KV group, selection block),
-the query rows that selected it, as CSR (a stable torch sort of the entries' keys, then two small kernels:
-each key's run in the sorted keys by binary search, and the work items of at most `queries_per_item` queries by
-binary search over the running count of items; a few launches where torch ops took about forty).
+the query rows that selected it, as CSR: one kernel writes every entry's sort key, a stable torch sort orders
+them, and two small kernels find each key's run in the sorted keys (binary search) and cut the runs into work items
+of at most `queries_per_item` queries (binary search over the running count of items): a few launches where torch
+ops took about eighty.
 
 A block selected by many queries (block 0 is forced for every query, Eq. 11) would make one program loop over
 all TQ queries; such blocks are split over several items whose fp32 partial dk/dv go to workspace slots and
