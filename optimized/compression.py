@@ -11,7 +11,7 @@ from reference.contract import PhiMLPWeights, PhiWeights
 
 from . import masks
 from .documents import Documents, documents
-from .dispatch import compute_dtype
+from .dispatch import compute_dtype, in_autocast_dtype
 
 
 def block_windows(x: Tensor, cfg: NSAConfig) -> Tensor:
@@ -66,8 +66,7 @@ def phi_mlp_chunked(x: Tensor, w: PhiMLPWeights, cfg: NSAConfig) -> Tensor:
     # back to cd after the matmul (autocast returns its own dtype): the parts are summed in cd, as phi_mlp's
     # matmul result meets b1 in cd. Under autocast to x's own dtype the matmul would narrow widened rows straight
     # back (an exact round trip, a copy each way and two more in backward): it takes them as they are.
-    narrowed_back = torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == x.dtype
-    parts = ((chunks if narrowed_back else chunks.to(cd)) @ w1_parts).to(cd).view(B, n_chunks, H, m, hidden)
+    parts = ((chunks if in_autocast_dtype(x) else chunks.to(cd)) @ w1_parts).to(cd).view(B, n_chunks, H, m, hidden)
     pre = parts[:, :n_blocks, :, 0]
     for a in range(1, m):
         pre = pre + parts[:, a:a + n_blocks, :, a]

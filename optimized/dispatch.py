@@ -40,6 +40,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+def in_autocast_dtype(x: Tensor) -> bool:
+    """Whether autocast is on for x's device and casts to x's own dtype: a matmul under it takes x as it is, so
+    widening x first would only be narrowed straight back (a copy each way, and their gradients)."""
+    return torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == x.dtype
+
+
 def check_backend(name: str, value: str) -> None:
     """ValueError naming the keyword unless value is one of BACKENDS."""
     if value not in BACKENDS:

@@ -13,7 +13,7 @@ from reference.contract import KV, BranchKV, NSAOutput, PhiWeights
 from reference.module import NSAAttention as ReferenceNSAAttention
 from reference.module import apply_rope, token_positions
 
-from .dispatch import check_backend, rope_on_kernels, triton_imports
+from .dispatch import check_backend, in_autocast_dtype, rope_on_kernels, triton_imports
 from .forward import BRANCHES, check_branches, nsa_forward
 
 
@@ -99,8 +99,7 @@ class NSAAttention(ReferenceNSAAttention):
         matmul as it is (a cast to dtype would only be cast back, two copies and their gradients)."""
         B, T = o.shape[:2]
         flat = o.reshape(B, T, -1)
-        if dtype is not None and not (torch.is_autocast_enabled(o.device.type)
-                                      and torch.get_autocast_dtype(o.device.type) == o.dtype):
+        if dtype is not None and not in_autocast_dtype(o):
             flat = flat.to(dtype)
         if not triton_imports():  # no Triton: o came from the torch path and is kept as usual
             return self.o_proj(flat)
