@@ -183,7 +183,8 @@ def selected_cases() -> list[Case]:
     paper layout and prod-125m's (l' = 64): the forward, dq and dk/dv."""
     import torch
 
-    from optimized.kernels.common import dkdv_tiling, dq_tiling, forward_tiling, heads_per_query
+    from optimized.kernels.common import (dkdv_tiling, dq_row_copies, dq_tiling, forward_tiling, heads_per_query,
+                                          padded)
     from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
     from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
                                                           _selected_attention_bwd_dq_kernel)
@@ -192,13 +193,15 @@ def selected_cases() -> list[Case]:
     sel_block = 64
     for group, d in ((16, 128), (6, 64)):
         layout = f"G={group} d={d}"
-        block_h = triton.next_power_of_2(group)
+        block_h = padded(group)  # as the forward and dq launch it
+        head_rows, copies = dq_row_copies(group, split_ds=True)
         dims = dict(GROUP=group, DK=d, DV=d, SEL_BLOCK=sel_block, BLOCK_DK=d, BLOCK_DV=d, DOT_FP32=False,
                     INPUT_PRECISION="ieee", PACKED=False)
         for kind, kernel, pick, flags in (
                 ("forward", _selected_attention_fwd_kernel, forward_tiling, {}),
-                ("dq", _selected_attention_bwd_dq_kernel, dq_tiling, dict(SPLIT_DS=True))):
-            t = pick(block_h, d, d, sel_block, torch.bfloat16)
+                ("dq", _selected_attention_bwd_dq_kernel, dq_tiling,
+                 dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies))):
+            t = pick(group if kind == "dq" else block_h, d, d, sel_block, torch.bfloat16)
             cases.append(Case(f"selected {layout} {kind} {t.block_n} keys", kernel, pointers(kernel),
                               dict(BLOCK_H=block_h, BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,
                                    **flags, **dims), t.num_warps, t.num_stages,

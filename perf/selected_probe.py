@@ -167,7 +167,7 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
     block_h = padded(group)
     gb = gathered_bytes(idx, SEL_BLOCK, dk, dv, q.element_size()) / 1e9
     defaults = {"forward": forward_tiling(block_h, padded(dk), padded(dv), SEL_BLOCK, q.dtype),
-                "dq": dq_tiling(block_h, padded(dk), padded(dv), SEL_BLOCK, q.dtype)}
+                "dq": dq_tiling(group, padded(dk), padded(dv), SEL_BLOCK, q.dtype)}
     dkdv_default = dkdv_tiling(group, padded(dk), padded(dv), SEL_BLOCK, q.dtype)
     runs = {
         "gather": lambda t: gather_only(k, v, idx, SEL_BLOCK, t),

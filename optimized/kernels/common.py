@@ -134,12 +134,31 @@ def forward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, d
     return Tiling(block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def dq_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
-    """Heuristic launch of the dq kernel (query-centric like the forward): few_warps' for small half-precision query
-    tiles; otherwise narrower key tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq,
-    its compensation and sum(P k) live in registers)."""
+def dq_row_copies(group: int, split_ds: bool) -> tuple[int, int]:
+    """(HEAD_ROWS, COPIES) of a selected dq launch, whose query tile has padded(group) rows: a group whose heads,
+    padded to a power of two, fill at most half of the tile repeats them in the free rows, and the split dS's lo
+    half (2 copies), then P as well (3 copies, when 4 fit), share the dS hi dot's rows instead of taking dots of
+    their own (selected_attention_bwd). (padded(group), 1): one copy, no split (fp32) or no free rows."""
+    block_h = padded(group)
+    head_rows = triton.next_power_of_2(group)
+    fit = block_h // head_rows
+    if not split_ds or fit < 2:
+        return block_h, 1
+    return head_rows, 3 if fit >= 4 else 2
+
+
+def dq_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
+    """Heuristic launch of the dq kernel (query-centric like the forward) for a KV group of `group` heads:
+    few_warps' for small half-precision query tiles, with three stages instead of two where the tile's free rows
+    carry the split dS (dq_row_copies) at d <= 64 (fewer registers: G = 6, d = 64 156 -> 135; one H100, 16k
+    tokens 1.350 -> 1.223 ms, 64k 5.48 -> 4.96; perf/NOTES.md); otherwise narrower key tiles for wide heads and
+    fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and sum(P k) live in registers)."""
+    block_h = padded(group)
     small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, kernel="dq")
     if small is not None:
+        packed = dq_row_copies(group, dtype != torch.float32)[1] > 1
+        if packed and max(block_dk, block_dv) <= 64:
+            return Tiling(small.block_n, small.num_warps, num_stages=3)
         return small
     elem = torch.finfo(dtype).bits // 8
     cap = 64 if max(block_dk, block_dv) <= 128 and elem == 2 else 32

@@ -20,6 +20,10 @@ Accuracy (the error-ratio rule of conformance.helpers.error_ratio against a naiv
   That D is stored for the dk/dv kernel.
 - Half-precision inputs (SPLIT_DS): dS is fed to the dS K dot as two half-precision parts hi + lo
   (lo = dS - hi rounded again), so dq carries dS to ~16 bits instead of 8/11 and is rounded once at the end.
+  Where the group's heads (padded to a power of two) fill at most half of the 16-row tile (groups up to 8), the
+  free rows repeat them (COPIES; dq_row_copies) and the lo half, and for groups up to 4 P as well, ride in the
+  rows of the hi half's dot: three dots per key tile instead of five at groups up to 4, four up to 8. Each part
+  is summed in fp32 over the keys on its own, and the copies are added (hi + lo) once at the end.
 - fp32 inputs (COMPENSATED, dk/dv): exact fp32 dots run as sequential FMA chains on CUDA cores, and
   `acc += dot(a, b)` is fused into one chain over every term. Each step's dot result is therefore added to the
   dk/dv accumulators with Kahan compensation, so a sum over thousands of (query, head) terms (block 0 is
@@ -43,8 +47,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..numerics import LOG2E
-from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot_settings, dq_tiling, heads_per_query,
-                     key_tile_rows, launch_with_fallback, padded, selected_block_keys, smaller_dkdv_tilings)
+from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot_settings, dq_row_copies, dq_tiling,
+                     heads_per_query, key_tile_rows, launch_with_fallback, padded, selected_block_keys,
+                     smaller_dkdv_tilings)
 from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
 
@@ -77,7 +82,7 @@ def _selected_attention_bwd_dq_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SPLIT_DS: tl.constexpr, PACKED: tl.constexpr,
+    SPLIT_DS: tl.constexpr, PACKED: tl.constexpr, HEAD_ROWS: tl.constexpr, COPIES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
@@ -88,14 +93,17 @@ def _selected_attention_bwd_dq_kernel(
     else:
         row_start = 0
 
+    # Row r of the tile: head r % HEAD_ROWS of the group, in copy r // HEAD_ROWS (rows of copies >= COPIES: zero).
     offs_h = tl.arange(0, BLOCK_H)
+    copy = offs_h // HEAD_ROWS
+    in_group = offs_h % HEAD_ROWS
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    head_mask = offs_h < GROUP
+    head_mask = (in_group < GROUP) & (copy < COPIES)
     dk_mask = offs_dk < DK
     dv_mask = offs_dv < DV
-    heads = g * GROUP + offs_h
+    heads = g * GROUP + in_group
 
     q = tl.load(Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
                 mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
@@ -137,13 +145,37 @@ def _selected_attention_bwd_dq_kernel(
         if SPLIT_DS:
             ds_hi = ds.to(K.dtype.element_ty)
             ds_lo = (ds - ds_hi.to(tl.float32)).to(K.dtype.element_ty)
-            dq += _dot(ds_hi, k_rows, DOT_FP32, INPUT_PRECISION)
-            dq += _dot(ds_lo, k_rows, DOT_FP32, INPUT_PRECISION)
-            p_k += _dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
+            if COPIES == 1:
+                dq += _dot(ds_hi, k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += _dot(ds_lo, k_rows, DOT_FP32, INPUT_PRECISION)
+                p_k += _dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
+            elif COPIES == 2:  # copy 0: dS hi, copy 1: dS lo, in one dot; sum P k in its own
+                dq += _dot(tl.where(copy[:, None] == 0, ds_hi, ds_lo), k_rows, DOT_FP32, INPUT_PRECISION)
+                p_k += _dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
+            else:  # copy 0: dS hi, copy 1: dS lo, copy 2: P, all three in one dot
+                parts = tl.where(copy[:, None] == 0, ds_hi,
+                                 tl.where(copy[:, None] == 1, ds_lo, probs.to(K.dtype.element_ty)))
+                dq += _dot(parts, k_rows, DOT_FP32, INPUT_PRECISION)
         else:
             dq += _dot(ds, k_rows, DOT_FP32, INPUT_PRECISION)
             p_k += _dot(probs, k_rows, DOT_FP32, INPUT_PRECISION)
 
+    if COPIES > 1:  # fold the copies back into one row per head: dq = hi + lo, sum P k and the row sums of copy 0
+        copy_of = tl.arange(0, BLOCK_H // HEAD_ROWS)
+        dq_copies = tl.reshape(dq, [BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK])
+        if COPIES == 3:
+            p_k = tl.sum(tl.where(copy_of[:, None, None] == 2, dq_copies, 0.0), 0)
+        else:
+            p_k = tl.sum(tl.where(copy_of[:, None, None] == 0,
+                                  tl.reshape(p_k, [BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK]), 0.0), 0)
+        dq = tl.sum(tl.where(copy_of[:, None, None] < 2, dq_copies, 0.0), 0)
+        shift = tl.sum(tl.where(copy_of[:, None] == 0, tl.reshape(shift, [BLOCK_H // HEAD_ROWS, HEAD_ROWS]), 0.0), 0)
+        p_sum = tl.sum(tl.where(copy_of[:, None] == 0, tl.reshape(p_sum, [BLOCK_H // HEAD_ROWS, HEAD_ROWS]), 0.0), 0)
+        delta_start = tl.sum(tl.where(copy_of[:, None] == 0,
+                                      tl.reshape(delta_start, [BLOCK_H // HEAD_ROWS, HEAD_ROWS]), 0.0), 0)
+        in_group = tl.arange(0, HEAD_ROWS)
+        head_mask = in_group < GROUP
+        heads = g * GROUP + in_group
     correction = shift + delta_start * (p_sum - 1.0)  # D - D0, D = sum_s P_s dP_s = D0 * sum P + shift
     dq = (dq - correction[:, None] * p_k) * scale
     tl.store(DQ + b * stride_dqb + t * stride_dqt + heads[:, None] * stride_dqh + offs_dk[None, :],
@@ -361,6 +393,8 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
         return dq, delta
     block_h, block_dk, block_dv = padded(group), padded(dk_dim), padded(dv_dim)
     dot_fp32, precision = dot_settings(q.dtype)
+    split_ds = q.dtype != torch.float32
+    head_rows, copies = dq_row_copies(group, split_ds)
 
     def launch(tiling: Tiling) -> None:
         _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](
@@ -376,12 +410,11 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
             indices.shape[-1], TK - TQ, scale, scale * LOG2E,
             GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h, BLOCK_DK=block_dk,
             BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n),
-            DOT_FP32=dot_fp32, INPUT_PRECISION=precision, SPLIT_DS=q.dtype != torch.float32,
-            PACKED=doc_start is not None,
-            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+            DOT_FP32=dot_fp32, INPUT_PRECISION=precision, SPLIT_DS=split_ds, PACKED=doc_start is not None,
+            HEAD_ROWS=head_rows, COPIES=copies, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
-    _run(launch, tiling, dq_tiling(block_h, block_dk, block_dv, sel_block, q.dtype))
+    _run(launch, tiling, dq_tiling(group, block_dk, block_dv, sel_block, q.dtype))
     return dq, delta
 
 

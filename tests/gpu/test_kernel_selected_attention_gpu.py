@@ -34,6 +34,7 @@ DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PARITY_CASES = {
     "h1-d64": Case(tk=2048, tq=2048, n_kv_heads=2, group=1, dk=64, dv=64, sel_block=64, n_sel=8),
+    "h6-d64-4k": Case(tk=4096, tq=4096, n_kv_heads=2, group=6, dk=64, dv=64, sel_block=64, n_sel=16),
     "h4-dk128-dv64-8k": Case(tk=8192, tq=8192, n_kv_heads=4, group=4, dk=128, dv=64, sel_block=64, n_sel=16),
     "h16-dk192-dv128": Case(tk=4096, tq=4096, n_kv_heads=4, group=16, dk=192, dv=128, sel_block=64, n_sel=16),
     "h64-d128": Case(tk=2048, tq=2048, n_kv_heads=1, group=64, dk=128, dv=128, sel_block=64, n_sel=8),
@@ -268,7 +269,7 @@ def test_gpu_tiling_sweep_at_64k() -> None:
     o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
     do = torch.randn_like(o)
     sweep(REPORT["dq_sweep"],
-          [Tiling(n, w, st) for n in (16, 32, 64) for w in (1, 2, 4, 8) for st in (1, 2, 3)], dq_tiling(*dims),
+          [Tiling(n, w, st) for n in (16, 32, 64) for w in (1, 2, 4, 8) for st in (1, 2, 3)], dq_tiling(case.group, *dims[1:]),
           lambda tiling: selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale, tiling))
     _, delta = selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale)
     shapes = [(64, 32), (64, 64), (64, 128), (32, 64), (32, 128)]

@@ -20,7 +20,8 @@ from optimized.kernels import selected_attention_naive, triton_selected_attentio
 from optimized.kernels import selected_attention_bwd as bwd_module
 from optimized.kernels.selected_attention import logsumexp, selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
-from optimized.kernels.common import DkdvTiling, Tiling, launch_with_fallback, smaller_dkdv_tilings
+from optimized.kernels.common import (DkdvTiling, Tiling, dq_row_copies, dq_tiling, launch_with_fallback,
+                                      smaller_dkdv_tilings)
 from reference.branches import selected_attention_rows
 from reference.config import NSAConfig
 
@@ -30,6 +31,7 @@ CASES = {
     "group1": Case(tk=33, tq=33, n_kv_heads=2, group=1, dk=16, dv=16, sel_block=8, n_sel=3),
     "group3-dk12-dv8": Case(tk=37, tq=37, n_kv_heads=2, group=3, dk=12, dv=8, sel_block=8, n_sel=3),
     "group16": Case(tk=24, tq=24, n_kv_heads=1, group=16, dk=16, dv=8, sel_block=16, n_sel=2),
+    "group6": Case(tk=24, tq=24, n_kv_heads=1, group=6, dk=16, dv=16, sel_block=8, n_sel=2),
     "decode-chunk": Case(tk=40, tq=5, n_kv_heads=2, group=2, dk=8, dv=16, sel_block=8, n_sel=4, batch=2),
     "decode-one": Case(tk=29, tq=1, n_kv_heads=2, group=5, dk=8, dv=8, sel_block=4, n_sel=3),
     "sel-block-24": Case(tk=40, tq=40, n_kv_heads=1, group=4, dk=8, dv=8, sel_block=24, n_sel=2),
@@ -194,8 +196,9 @@ HALF_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 
 @pytest.mark.parametrize("name, dtype", [("group1", torch.bfloat16), ("group16", torch.bfloat16),
-                                         ("group3-dk12-dv8", torch.bfloat16), ("group3-dk12-dv8", torch.float16)],
-                         ids=["group1-bf16", "group16-bf16", "group3-bf16", "group3-fp16"])
+                                         ("group3-dk12-dv8", torch.bfloat16), ("group3-dk12-dv8", torch.float16),
+                                         ("group6", torch.bfloat16)],
+                         ids=["group1-bf16", "group16-bf16", "group3-bf16", "group3-fp16", "group6-bf16"])
 def test_half_precision_dq_is_rounded_once(name: str, dtype: torch.dtype) -> None:
     """bf16/fp16 inputs: dq is carried in fp32 and rounded once, so each element is within 1 ulp of float64
     (1 ulp, not 1/2: the interpreter's fp32 -> half casts truncate) plus 2^-(mantissa + 5) * max|dq|. Feeding dS
@@ -224,6 +227,21 @@ def test_half_precision_dq_is_rounded_once(name: str, dtype: torch.dtype) -> Non
     for label, got, lo, ex in zip(("o", "dq", "dk", "dv"), kernel, low, exact):
         assert torch.isfinite(got).all(), label
         assert error_ratio(got, lo, ex) <= 1.0, label
+
+
+def test_dq_packs_the_split_into_the_free_rows_of_small_groups() -> None:
+    """The dq launch's row copies (16-row tiles): groups up to 4 carry dS hi, dS lo and P in one dot (3 copies),
+    up to 8 dS hi and lo (2), larger groups and fp32 inputs (no split) one copy of the whole tile. The half-precision
+    dq cases above run each arrangement (group1, group3: 3; group6: 2; group16: 1). A packed launch at d <= 64 takes
+    three pipeline stages, the others two."""
+    assert dq_row_copies(1, True) == (1, 3)
+    assert dq_row_copies(3, True) == (4, 3)
+    assert dq_row_copies(6, True) == (8, 2)
+    assert dq_row_copies(16, True) == (16, 1)
+    assert dq_row_copies(6, False) == (16, 1)
+    assert dq_tiling(6, 64, 64, 64, torch.bfloat16).num_stages == 3
+    assert dq_tiling(16, 64, 64, 64, torch.bfloat16).num_stages == 2
+    assert dq_tiling(6, 128, 128, 64, torch.bfloat16).num_stages == 2
 
 
 def test_backward_is_bitwise_deterministic() -> None:
