@@ -68,6 +68,20 @@ def _dot(a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _copy_rows(x, which: tl.constexpr, N_COPIES: tl.constexpr, HEAD_ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """Rows which * HEAD_ROWS .. (which + 1) * HEAD_ROWS - 1 of x [N_COPIES * HEAD_ROWS, WIDTH]."""
+    copies = tl.reshape(x, [N_COPIES, HEAD_ROWS, WIDTH])
+    return tl.sum(tl.where(tl.arange(0, N_COPIES)[:, None, None] == which, copies, 0.0), 0)
+
+
+@triton.jit
+def _copy_entries(x, which: tl.constexpr, N_COPIES: tl.constexpr, HEAD_ROWS: tl.constexpr):
+    """Entries which * HEAD_ROWS .. (which + 1) * HEAD_ROWS - 1 of x [N_COPIES * HEAD_ROWS]."""
+    copies = tl.reshape(x, [N_COPIES, HEAD_ROWS])
+    return tl.sum(tl.where(tl.arange(0, N_COPIES)[:, None] == which, copies, 0.0), 0)
+
+
+@triton.jit
 def _selected_attention_bwd_dq_kernel(
     Q, K, V, O, DO, STATS, IDX, DQ, DELTA, DOC_START,
     stride_qb, stride_qt, stride_qh,
@@ -160,19 +174,16 @@ def _selected_attention_bwd_dq_kernel(
             dq += _dot(ds, k_rows, DOT_FP32, INPUT_PRECISION)
             p_k += _dot(probs, k_rows, DOT_FP32, INPUT_PRECISION)
 
-    if COPIES > 1:  # fold the copies back into one row per head: dq = hi + lo, sum P k and the row sums of copy 0
-        copy_of = tl.arange(0, BLOCK_H // HEAD_ROWS)
-        dq_copies = tl.reshape(dq, [BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK])
+    if COPIES > 1:  # back to one row per head: dq = hi + lo, sum P k, and copy 0's row sums
         if COPIES == 3:
-            p_k = tl.sum(tl.where(copy_of[:, None, None] == 2, dq_copies, 0.0), 0)
+            p_k = _copy_rows(dq, 2, BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK)
         else:
-            p_k = tl.sum(tl.where(copy_of[:, None, None] == 0,
-                                  tl.reshape(p_k, [BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK]), 0.0), 0)
-        dq = tl.sum(tl.where(copy_of[:, None, None] < 2, dq_copies, 0.0), 0)
-        shift = tl.sum(tl.where(copy_of[:, None] == 0, tl.reshape(shift, [BLOCK_H // HEAD_ROWS, HEAD_ROWS]), 0.0), 0)
-        p_sum = tl.sum(tl.where(copy_of[:, None] == 0, tl.reshape(p_sum, [BLOCK_H // HEAD_ROWS, HEAD_ROWS]), 0.0), 0)
-        delta_start = tl.sum(tl.where(copy_of[:, None] == 0,
-                                      tl.reshape(delta_start, [BLOCK_H // HEAD_ROWS, HEAD_ROWS]), 0.0), 0)
+            p_k = _copy_rows(p_k, 0, BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK)
+        dq = (_copy_rows(dq, 0, BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK)
+              + _copy_rows(dq, 1, BLOCK_H // HEAD_ROWS, HEAD_ROWS, BLOCK_DK))
+        shift = _copy_entries(shift, 0, BLOCK_H // HEAD_ROWS, HEAD_ROWS)
+        p_sum = _copy_entries(p_sum, 0, BLOCK_H // HEAD_ROWS, HEAD_ROWS)
+        delta_start = _copy_entries(delta_start, 0, BLOCK_H // HEAD_ROWS, HEAD_ROWS)
         in_group = tl.arange(0, HEAD_ROWS)
         head_mask = in_group < GROUP
         heads = g * GROUP + in_group
