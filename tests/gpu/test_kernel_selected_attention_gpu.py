@@ -269,7 +269,8 @@ def test_gpu_tiling_sweep_at_64k() -> None:
     o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
     do = torch.randn_like(o)
     sweep(REPORT["dq_sweep"],
-          [Tiling(n, w, st) for n in (16, 32, 64) for w in (1, 2, 4, 8) for st in (1, 2, 3)], dq_tiling(case.group, *dims[1:]),
+          [Tiling(n, w, st) for n in (16, 32, 64) for w in (1, 2, 4, 8) for st in (1, 2, 3)],
+          dq_tiling(case.group, *dims[1:]),
           lambda tiling: selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale, tiling))
     _, delta = selected_attention_backward_dq(q, k, v, idx, o, stats, do, case.sel_block, scale)
     shapes = [(64, 32), (64, 64), (64, 128), (32, 64), (32, 128)]
