@@ -175,6 +175,20 @@ def _entry_keys_kernel(IDX, stride_b, stride_t, stride_g, stride_s, ROW_START, R
 
 
 @triton.jit
+def _halve(SORTED, target, lo, hi, valid, UPPER: tl.constexpr):
+    """One step of a binary search of target in the ascending SORTED, per lane, over [lo, hi): after enough steps
+    (_halvings) lo is the first position whose value is above target (UPPER) or at least target (a lower bound)."""
+    mid = (lo + hi) // 2
+    open_ = lo < hi
+    value = tl.load(SORTED + mid, mask=valid & open_, other=0).to(tl.int64)
+    if UPPER:
+        right = open_ & (value <= target)
+    else:
+        right = open_ & (value < target)
+    return tl.where(right, mid + 1, lo), tl.where(open_ & ~right, mid, hi)
+
+
+@triton.jit
 def _key_runs_kernel(SORTED, n_entries, n_keys, per_item, steps, BEGIN, END, COUNTS, BLOCK: tl.constexpr):
     """For keys k of this program's block: their run [BEGIN[k], END[k]) in the sorted keys (lower and upper bound,
     `steps` halvings of [0, n_entries]), the run's work items COUNTS[0, k] = ceil(run / per_item) and, for a split
@@ -185,19 +199,9 @@ def _key_runs_kernel(SORTED, n_entries, n_keys, per_item, steps, BEGIN, END, COU
     hi_b = tl.zeros([BLOCK], dtype=tl.int64) + n_entries
     lo_e = tl.zeros([BLOCK], dtype=tl.int64)
     hi_e = tl.zeros([BLOCK], dtype=tl.int64) + n_entries
-    for _ in range(steps):
-        mid_b = (lo_b + hi_b) // 2
-        open_b = lo_b < hi_b
-        key_b = tl.load(SORTED + mid_b, mask=valid & open_b, other=0).to(tl.int64)
-        right_b = open_b & (key_b < k)
-        lo_b = tl.where(right_b, mid_b + 1, lo_b)
-        hi_b = tl.where(open_b & ~right_b, mid_b, hi_b)
-        mid_e = (lo_e + hi_e) // 2
-        open_e = lo_e < hi_e
-        key_e = tl.load(SORTED + mid_e, mask=valid & open_e, other=0).to(tl.int64)
-        right_e = open_e & (key_e <= k)
-        lo_e = tl.where(right_e, mid_e + 1, lo_e)
-        hi_e = tl.where(open_e & ~right_e, mid_e, hi_e)
+    for _ in range(steps):  # both searches in one loop: their loads overlap
+        lo_b, hi_b = _halve(SORTED, k, lo_b, hi_b, valid, UPPER=False)
+        lo_e, hi_e = _halve(SORTED, k, lo_e, hi_e, valid, UPPER=True)
     items = (lo_e - lo_b + per_item - 1) // per_item
     tl.store(BEGIN + k, lo_b, mask=valid)
     tl.store(END + k, lo_e, mask=valid)
@@ -218,12 +222,7 @@ def _work_items_kernel(BEGIN, END, COUNTS, TOTALS, n_keys, n_items, per_item, sp
     lo = tl.zeros([BLOCK], dtype=tl.int64)
     hi = tl.zeros([BLOCK], dtype=tl.int64) + n_keys
     for _ in range(steps):
-        mid = (lo + hi) // 2
-        open_ = lo < hi
-        total = tl.load(TOTALS + mid, mask=valid & open_, other=0)
-        right = open_ & (total <= i)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(open_ & ~right, mid, hi)
+        lo, hi = _halve(TOTALS, i, lo, hi, valid, UPPER=True)
     padding = lo >= n_keys
     key = tl.where(padding, 0, lo)
     real = valid & ~padding
