@@ -197,11 +197,11 @@ def selected_cases() -> list[Case]:
         head_rows, copies = dq_row_copies(group, split_ds=True)
         dims = dict(GROUP=group, DK=d, DV=d, SEL_BLOCK=sel_block, BLOCK_DK=d, BLOCK_DV=d, DOT_FP32=False,
                     INPUT_PRECISION="ieee", PACKED=False)
-        for kind, kernel, pick, flags in (
-                ("forward", _selected_attention_fwd_kernel, forward_tiling, {}),
-                ("dq", _selected_attention_bwd_dq_kernel, dq_tiling,
-                 dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies))):
-            t = pick(group if kind == "dq" else block_h, d, d, sel_block, torch.bfloat16)
+        bf16 = torch.bfloat16
+        launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(block_h, d, d, sel_block, bf16), {}),
+                    ("dq", _selected_attention_bwd_dq_kernel, dq_tiling(group, d, d, sel_block, bf16),
+                     dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies)))
+        for kind, kernel, t, flags in launches:
             cases.append(Case(f"selected {layout} {kind} {t.block_n} keys", kernel, pointers(kernel),
                               dict(BLOCK_H=block_h, BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,
                                    **flags, **dims), t.num_warps, t.num_stages,
