@@ -183,7 +183,8 @@ class DkdvTiling:
 
 
 def heads_per_query(group: int) -> int:
-    """Columns one query takes in a dk/dv step: the group's h heads padded to a power of two."""
+    """The fewest columns a dk/dv step can have: one query's h heads, rounded up to a power of two (a step of
+    block_cols columns takes block_cols // h queries, the heads unpadded)."""
     return triton.next_power_of_2(group)
 
 
@@ -191,7 +192,8 @@ def dkdv_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype:
     """Heuristic dk/dv launch. Half precision: 64 columns (e.g. 4 queries x 16 heads) against a key tile of up to
     64 rows (32 for d > 128), so the fp32 dk/dv accumulators [block_n, d] stay in registers with 8 warps; for group
     sizes up to 16 and d <= 128, 4 warps and the column count that measured fastest at 16k tokens on an H100
-    (G = 6, d = 64: 128 columns, 1.87 -> 1.07 ms; G = 16, d = 128: 32 columns, 7.8 -> 5.4 ms; perf/NOTES.md).
+    (G = 6, d = 64: 128 columns, 1.87 -> 1.07 ms, then 21 queries a step with the heads unpadded, 0.76 -> 0.71 ms;
+    G = 16, d = 128: 32 columns, 7.8 -> 5.4 ms; perf/NOTES.md).
     fp32 (exact fp32 dots on CUDA cores, plus compensation terms): narrower tiles."""
     elem = torch.finfo(dtype).bits // 8
     width = max(block_dk, block_dv)

@@ -207,7 +207,7 @@ def _selected_attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvt, stride_dvh,
     n_kv_heads, n_blocks, n_keys_total, q_offset, scale, scale_log2,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    HEADS: tl.constexpr, QUERIES_PER_STEP: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    QUERIES_PER_STEP: tl.constexpr, BLOCK_COLS: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr, PACKED: tl.constexpr,
 ):
@@ -221,11 +221,12 @@ def _selected_attention_bwd_dkdv_kernel(
     end = tl.load(ITEM_END + item).to(tl.int64)
     slot = tl.load(ITEM_SLOT + item).to(tl.int64)
 
-    # Column c of a step is (query c // HEADS of the step, head c % HEADS of the group); HEADS = next_pow2(h).
+    # Column c of a step is (query c // GROUP of the step, head c % GROUP of the group): the group's h heads are
+    # not padded, so a step takes BLOCK_COLS // h queries and its last BLOCK_COLS % h columns none.
     offs_c = tl.arange(0, BLOCK_COLS)
-    col_query = offs_c // HEADS
-    col_head = offs_c % HEADS
-    head_ok = col_head < GROUP
+    col_query = offs_c // GROUP
+    col_head = offs_c % GROUP
+    head_ok = col_query < QUERIES_PER_STEP
     heads = g * GROUP + col_head
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -450,7 +451,7 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
     n_slots = index.n_slots  # a bound known on the host: allocating the workspace reads nothing back
     dk_ws = torch.empty((n_slots, sel_block, dk_dim), device=q.device, dtype=torch.float32)
     dv_ws = torch.empty((n_slots, sel_block, dv_dim), device=q.device, dtype=torch.float32)
-    heads = heads_per_query(group)
+    min_cols = heads_per_query(group)
     block_dk, block_dv = padded(dk_dim), padded(dv_dim)
     modes = precision_modes(q.dtype)
 
@@ -466,19 +467,19 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
             Hkv, index.n_blocks, TK, TK - TQ, scale, scale * LOG2E,
-            GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, HEADS=heads,
-            QUERIES_PER_STEP=tiling.block_cols // heads, BLOCK_COLS=tiling.block_cols,
+            GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block,
+            QUERIES_PER_STEP=tiling.block_cols // group, BLOCK_COLS=tiling.block_cols,
             BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, PACKED=packed, **modes,
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
     if dkdv_launch is None:
         heuristic = dkdv_tiling(group, block_dk, block_dv, sel_block, q.dtype)
-        launch_with_fallback(launch, heuristic, smaller_dkdv_tilings(heuristic, heads))
+        launch_with_fallback(launch, heuristic, smaller_dkdv_tilings(heuristic, min_cols))
     else:
-        if dkdv_launch.block_cols < heads:
+        if dkdv_launch.block_cols < group:
             raise ValueError(f"dkdv_launch.block_cols ({dkdv_launch.block_cols}) must hold one query's "
-                             f"{heads} padded heads")
+                             f"{group} heads")
         launch(dkdv_launch)
     if index.split_key.numel():  # every key; those with an empty slot range write nothing
         rows = key_tile_rows(sel_block, 32)

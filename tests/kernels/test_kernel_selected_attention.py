@@ -147,7 +147,7 @@ def assert_backward_matches_naive(case: Case, q, k, v, idx, **packing) -> None:
 
 @pytest.mark.parametrize("queries_per_item, launch", [
     (3, None),  # items of 3 queries: split blocks, workspace slots + ordered reduction
-    (3, DkdvTiling(block_n=16, block_cols=16, num_warps=4, num_stages=1)),  # 4 queries per step: partial steps
+    (3, DkdvTiling(block_n=16, block_cols=16, num_warps=4, num_stages=1)),  # 5 queries x 3 heads per step, 1 idle
     (None, DkdvTiling(block_n=16, block_cols=16, num_warps=4, num_stages=1)),  # whole blocks, many steps each
 ])
 def test_backward_split_blocks_match_whole_blocks(queries_per_item, launch, poisoned_empty: None) -> None:
