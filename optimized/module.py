@@ -13,7 +13,7 @@ from reference.contract import KV, BranchKV, NSAOutput, PhiWeights
 from reference.module import NSAAttention as ReferenceNSAAttention
 from reference.module import apply_rope, token_positions
 
-from .dispatch import check_backend, in_autocast_dtype, rope_on_kernels, triton_imports
+from .dispatch import check_backend, gate_mlp_on_kernels, in_autocast_dtype, rope_on_kernels, triton_imports
 from .forward import BRANCHES, check_branches, nsa_forward
 
 
@@ -58,7 +58,7 @@ class NSAAttention(ReferenceNSAAttention):
         matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
         computed once; one Triton launch each way on the kernel path: `rotate`). Under autocast x is cast once,
         for that matmul and the gate MLP, so backward keeps one low-precision copy of x instead of one per matmul,
-        and the gate MLP's hidden activations are recomputed in backward. q and k are views of RoPE's output; v
+        and the gate MLP's hidden activations are recomputed in backward (gates). q and k are views of RoPE's output; v
         is copied out of the matmul's output, so what backward keeps of it is v alone (the pre-RoPE q and k are
         not kept alive through views). The same parameters and the same function; only the matmul's blocking may
         round differently."""
@@ -78,14 +78,23 @@ class NSAAttention(ReferenceNSAAttention):
         q, *ks = qk.split([Hq] + [Hkv] * len(BRANCHES), dim=2)
         vs = y_v.contiguous().view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
-        # The gate MLP's hidden activations (2 x d_model values per token) are recomputed in backward rather than
-        # kept: one small matmul pair per layer for a third of what the layer would otherwise keep beyond dense.
-        # The MLP draws no random numbers, so no RNG state is saved for its recomputation (reading it is not
-        # allowed while a CUDA graph records the step).
-        gate_logits = (checkpoint(self.gate, x, use_reentrant=False, preserve_rng_state=False)
-                       if torch.is_grad_enabled() else self.gate(x))
-        gates = torch.sigmoid(gate_logits).view(B, T, Hq, 3)
-        return q, kv, gates
+        return q, kv, self.gates(x).view(B, T, Hq, 3)
+
+    def gates(self, x: Tensor) -> Tensor:
+        """sigmoid(self.gate(x)) [..., Hq * 3], without keeping the gate MLP's hidden activations (2 x d_model
+        values per token, a third of what the layer would otherwise keep beyond dense) for backward: at half
+        precision on the kernel path (dispatch.gate_mlp_on_kernels) the MLP runs on its Triton kernels
+        (kernels/gate_mlp.py: one forward launch, the hidden layer recomputed in backward); elsewhere the torch
+        expression under torch.utils.checkpoint. The MLP draws no random numbers, so no RNG state is saved for its
+        recomputation (reading it is not allowed while a CUDA graph records the step)."""
+        first, act, last = self.gate
+        if isinstance(act, torch.nn.SiLU) and gate_mlp_on_kernels(x.device, x.dtype, self.range_backend):
+            from .kernels.gate_mlp import gate_mlp_kernel
+
+            return gate_mlp_kernel(x, first.weight, first.bias, last.weight, last.bias)
+        logits = (checkpoint(self.gate, x, use_reentrant=False, preserve_rng_state=False)
+                  if torch.is_grad_enabled() else self.gate(x))
+        return torch.sigmoid(logits)
 
     def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
         """reference.NSAAttention.forward, with the output projection of project_output."""

@@ -191,3 +191,28 @@ def test_nsa_attention_runs_every_kernel_by_default(monkeypatch: pytest.MonkeyPa
                                             "selected_attention_forward", "gated_sum_forward",
                                             "selected_attention_backward", "range_attention_backward",
                                             "gated_sum_backward"])
+
+
+def test_nsa_attention_under_autocast_runs_the_gate_mlp_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under half-precision autocast (the trainer's setup) the default module's gates come from the gate MLP's
+    kernels, forward and backward; without autocast (fp32) from the torch expression."""
+    from optimized.kernels import gate_mlp
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(dispatch, "auto_picks_kernels", lambda device, dtype: dtype in dispatch.KERNEL_DTYPES)
+    launched: list[str] = []
+    for name in ("gate_mlp_forward", "gate_mlp_backward"):
+        real = getattr(gate_mlp, name)
+        monkeypatch.setattr(gate_mlp, name, lambda *a, _real=real, _name=name, **k: launched.append(_name)
+                            or _real(*a, **k))
+    torch.manual_seed(0)
+    module = optimized.NSAAttention(32, CFG).to(device)
+    x = torch.randn(1, 12, 32, device=device, requires_grad=True)
+    module.gates(x).sum().backward()
+    assert launched == []
+    with torch.autocast(device, dtype=torch.bfloat16):
+        gates = module.gates(x.to(torch.bfloat16))
+    gates.float().sum().backward()
+    assert launched == ["gate_mlp_forward", "gate_mlp_backward"]
+    assert x.grad is not None and module.gate[0].weight.grad is not None

@@ -76,3 +76,20 @@ def test_decode_cache_runs_the_kernels_by_default(launches: list[str], monkeypat
         cache.step(x.q[:, t:t + 1], BranchKV(*(KV(b.k[:, t:t + 1], b.v[:, t:t + 1])
                                                 for b in (x.kv.cmp, x.kv.slc, x.kv.win))), x.gates[:, t:t + 1])
     assert len(steps) == 8, "every step on the lean decode step"
+
+
+def test_nsa_attention_under_autocast_trains_the_gates_on_their_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from optimized.kernels import gate_mlp
+
+    seen: list[str] = []
+    for name in ("gate_mlp_forward", "gate_mlp_backward"):
+        real = getattr(gate_mlp, name)
+        monkeypatch.setattr(gate_mlp, name,
+                            lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k))
+    torch.manual_seed(0)
+    module = optimized.NSAAttention(1024, CFG).cuda()
+    x = torch.randn(2, 1024, 1024, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = module(x)
+    y.float().sum().backward()
+    assert seen == ["gate_mlp_forward", "gate_mlp_backward"]
