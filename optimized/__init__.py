@@ -13,7 +13,7 @@ blocks -> gate); dispatch.py, masks.py and kernels/common.py are also asked from
     2. optimized/dispatch.py                    device, dtype and backend decided (Route); compute_dtype
     3. optimized/documents.py                   the layout of a packed batch (only with cu_seqlens)
     4. optimized/masks.py                       the convention seams the stages ask
-    5. optimized/compression.py                 Eq. 7 (torch, in the compute dtype)
+    5. optimized/compression.py                 Eq. 7 (its MLP on kernels/compression_mlp.py; mean pooling in torch)
     6. optimized/kernels/range_attention.py     Eq. 4 and the window branch, key ranges from the seams
     7. optimized/kernels/common.py              launch settings and @triton.jit helpers of the kernels
     8. optimized/kernels/selection.py           Eq. 8-11: group scores, then top-n
@@ -22,7 +22,8 @@ blocks -> gate); dispatch.py, masks.py and kernels/common.py are also asked from
 
 tests/test_prefill_path.py traces a call in Triton's interpreter and checks this list. The backward pass adds
 kernels/range_attention_bwd.py, kernels/selected_attention_bwd.py and kernels/selected_attention_index.py.
-NSAAttention (module.py) makes q, k and v before the call, RoPE with kernels/rope.py on the kernel path. The torch
+NSAAttention (module.py) makes q, k and v and the gates before the call, RoPE with kernels/rope.py and the gate MLP
+with kernels/gate_mlp.py on the kernel path. The torch
 path runs forward.py, dispatch.py, documents.py, masks.py, compression.py, then compressed.py, scoring.py,
 selected.py and window.py over masked_attention.py (and numerics.py).
 """

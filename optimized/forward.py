@@ -6,13 +6,14 @@ the stages top to bottom:
   queries, so memory stays O(T * (w + n*l' + T/d)) per head), the outputs rounded once at the end;
 - the kernel path (_kernel_path): the Triton kernels on the inputs' own dtype with fp32 accumulation (the
   compressed and window branches on the range-attention kernel, Eq. 8-11 on the selection kernels, Eq. 5 on one
-  kernel); Eq. 7 stays in torch (its MLP over d-row chunks: compression.phi_mlp_chunked).
+  kernel, Eq. 7's MLP on its own kernels; mean pooling and packed documents' Eq. 7 in torch).
 The selected branch (Eq. 12) has its own switch (`backend`), so both paths run it through selected_branch, its one
 dispatch point. The files a prefill call on the kernel path crosses are listed, in order, in optimized/__init__.py.
 
 Convention seams (optimized.masks): the torch path asks every one at call time. The kernel path asks
 compressed_block_count, sel_block_count, compressed_block_visible and window_start (as each query's key range),
-eq9_pool_weights and current_sel_block, and Eq. 7 runs the torch seams of optimized.compression; it computes the
+eq9_pool_weights and current_sel_block, and Eq. 7's MLP kernels take block i as rows i*d .. i*d + l - 1 (as
+optimized.compression.block_windows does; mean pooling and packed documents run its torch code); it computes the
 others itself from the config's switches (window_key_visible, cmp_importance, fixed_order_sum, group_reduce,
 forced_blocks, top_n_blocks, ranked_blocks, selected_token_visible), so replacing one of those changes the torch
 path only. (Decode: docs/decode.md.)
@@ -158,7 +159,7 @@ def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Ph
     o_cmp = o_slc = o_win = reads_cmp = reads_slc = reads_win = None
     if "cmp" in branches or scoring:
         k_cmp, v_cmp = compress_unrounded(kv.cmp.k, kv.cmp.v if "cmp" in branches else None, cfg, phi,
-                                          docs=docs, chunked=True)  # Eq. 7
+                                          docs=docs, on_kernels=True)  # Eq. 7
         k_cmp, v_cmp = k_cmp.to(q.dtype), None if v_cmp is None else v_cmp.to(q.dtype)
         # Eq. 4 and Eq. 8's normaliser (without v_cmp: the normaliser only)
         o_cmp, cmp_softmax, reads = range_attention.compressed_branch(q, k_cmp, v_cmp, cfg, positions, docs,

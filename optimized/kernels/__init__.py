@@ -2,12 +2,14 @@
 TRITON_INTERPRET=1).
 
 Prefill, in the order nsa_forward runs them:
+- compression_mlp.py: Eq. 7's MLP (phi = "mlp"), forward + backward;
 - range_attention.py: Eq. 2 over one contiguous key range per query row (the compressed and window branches),
   forward + backward (range_attention_bwd.py);
 - selection.py: Eq. 8 + 10 (group scores) and Eq. 9-11 (top-n) per chunk of query rows;
 - selected_attention.py: Eq. 12, group-centric, forward + backward (selected_attention_bwd.py, over the inverted
   index of selected_attention_index.py);
 - gated_sum.py: Eq. 5, forward + backward.
+NSAAttention's projections add rope.py (RoPE) and gate_mlp.py (the gate MLP of Eq. 5's gates, at half precision).
 common.py holds what they share (dtypes, launch settings, dot settings, @triton.jit helpers); naive.py the
 pure-torch oracles the kernel tests compare against.
 
