@@ -170,6 +170,8 @@ def regions(trainer) -> Iterator[None]:
                         ranges.hook(module, "attention/projections")
                 if hasattr(inner, "gate"):
                     ranges.hook(inner.gate, "attention/gates")
+                if hasattr(inner, "gates"):  # optimized.NSAAttention: the gate MLP, on its kernels or not
+                    wrap_method(inner, "gates", "attention/gates")
                 wrap_method(inner, "project", "attention/project")
                 wrap_method(inner, "functional_forward", "attention/nsa")
         patch(sentinels.model, "_layer_stats", "attention/statistics")

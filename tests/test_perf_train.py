@@ -155,6 +155,8 @@ def test_train_profile_splits_the_step_by_region(tmp_path, one_thread):
     nsa_by = {c["category"]: c for c in nsa["categories"]}
     assert nsa_by["attention rest: inside the NSA call (phi, scoring glue, casts)"]["backward_ms"] > 0
     assert nsa_by["attention rest: per-layer statistics"]["forward_ms"] > 0
+    gates = nsa_by["attention rest: gate MLP"]
+    assert gates["forward_ms"] > 0 and gates["backward_ms"] > 0
     assert "attention kernels" not in nsa_by  # the CPU path launches no Triton kernel
     dense_by = {c["category"]: c for c in dense["categories"]}
     assert dense_by["attention kernels"]["forward_ms"] > 0 and "attention rest: per-layer statistics" not in dense_by
