@@ -43,7 +43,7 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _phi_fwd_kernel(X, W1, C, W2, B2, OUT, PRE, n_blocks, n_heads,
+def _phi_fwd_kernel(X, W1, C, W2, B2, PHI, PRE, n_blocks, n_heads,
                     stride_xb, stride_xt, stride_xh,
                     L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr, HID: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -69,8 +69,8 @@ def _phi_fwd_kernel(X, W1, C, W2, B2, OUT, PRE, n_blocks, n_heads,
     act = pre / (1.0 + tl.exp(-pre))
     w2 = tl.load(W2 + offs_h[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     out = _dot(act.to(dot_dtype), w2, DOT_FP32) + tl.load(B2 + offs_d, mask=d_ok, other=0.0)[None, :]
-    row = (b.to(tl.int64) * n_blocks + blocks) * n_heads + h  # [B, N, H] row of OUT and PRE
-    tl.store(OUT + row[:, None] * D + offs_d[None, :], out, mask=ok[:, None] & d_ok[None, :])
+    row = (b.to(tl.int64) * n_blocks + blocks) * n_heads + h  # [B, N, H] row of PHI and PRE
+    tl.store(PHI + row[:, None] * D + offs_d[None, :], out, mask=ok[:, None] & d_ok[None, :])
     tl.store(PRE + row[:, None] * HID + offs_h[None, :], pre, mask=ok[:, None] & h_ok[None, :])
 
 
