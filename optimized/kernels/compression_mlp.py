@@ -43,19 +43,33 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _features(D: tl.constexpr, HID: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr):
+    """Offsets and masks of the padded feature (D) and hidden (HID) dimensions."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_h = tl.arange(0, BLOCK_HID)
+    return offs_d, offs_d < D, offs_h, offs_h < HID
+
+
+@triton.jit
+def _block_tile(n_blocks, n_heads, D: tl.constexpr, HID: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The blocks of this program (grid: block tiles, sequences x heads): (sequence b, head h, blocks, valid,
+    [B, N, H] rows of phi and pre (int64), feature offsets and mask, hidden offsets and mask)."""
+    b = tl.program_id(1) // n_heads
+    h = tl.program_id(1) % n_heads
+    blocks = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d, d_ok, offs_h, h_ok = _features(D, HID, BLOCK_D, BLOCK_HID)
+    row = (b.to(tl.int64) * n_blocks + blocks) * n_heads + h
+    return b, h, blocks, blocks < n_blocks, row, offs_d, d_ok, offs_h, h_ok
+
+
+@triton.jit
 def _phi_fwd_kernel(X, W1, C, W2, B2, PHI, PRE, n_blocks, n_heads,
                     stride_xb, stride_xt, stride_xh,
                     L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr, HID: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    blocks = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = blocks < n_blocks
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_h = tl.arange(0, BLOCK_HID)
-    d_ok = offs_d < D
-    h_ok = offs_h < HID
+    b, h, blocks, ok, row, offs_d, d_ok, offs_h, h_ok = _block_tile(n_blocks, n_heads, D, HID, BLOCK_D, BLOCK_HID,
+                                                                    BLOCK_N)
     dot_dtype = W1.dtype.element_ty
     x_base = X + b.to(tl.int64) * stride_xb + h * stride_xh
     pre = tl.zeros([BLOCK_N, BLOCK_HID], dtype=tl.float32)
@@ -69,7 +83,6 @@ def _phi_fwd_kernel(X, W1, C, W2, B2, PHI, PRE, n_blocks, n_heads,
     act = pre / (1.0 + tl.exp(-pre))
     w2 = tl.load(W2 + offs_h[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     out = _dot(act.to(dot_dtype), w2, DOT_FP32) + tl.load(B2 + offs_d, mask=d_ok, other=0.0)[None, :]
-    row = (b.to(tl.int64) * n_blocks + blocks) * n_heads + h  # [B, N, H] row of PHI and PRE
     tl.store(PHI + row[:, None] * D + offs_d[None, :], out, mask=ok[:, None] & d_ok[None, :])
     tl.store(PRE + row[:, None] * HID + offs_h[None, :], pre, mask=ok[:, None] & h_ok[None, :])
 
@@ -78,17 +91,9 @@ def _phi_fwd_kernel(X, W1, C, W2, B2, PHI, PRE, n_blocks, n_heads,
 def _phi_bwd_hidden_kernel(D_OUT, PRE, W2, D_PRE, DB1_PART, DB2_PART, DW2_PART, n_blocks, n_heads,
                            D: tl.constexpr, HID: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr,
                            BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    blocks = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = blocks < n_blocks
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_h = tl.arange(0, BLOCK_HID)
-    d_ok = offs_d < D
-    h_ok = offs_h < HID
+    b, h, blocks, ok, row, offs_d, d_ok, offs_h, h_ok = _block_tile(n_blocks, n_heads, D, HID, BLOCK_D, BLOCK_HID,
+                                                                    BLOCK_N)
     dot_dtype = W2.dtype.element_ty
-    row = (b.to(tl.int64) * n_blocks + blocks) * n_heads + h
     d_out = tl.load(D_OUT + row[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
     pre = tl.load(PRE + row[:, None] * HID + offs_h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0)
     w2 = tl.load(W2 + offs_h[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
@@ -111,10 +116,7 @@ def _phi_bwd_w1_kernel(X, D_PRE, DW1, n_blocks, n_heads, n_rows,
                        STRIDE: tl.constexpr, D: tl.constexpr, HID: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
     p = tl.program_id(0)  # block row p: rows p*D .. p*D + D - 1 of d w1
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_h = tl.arange(0, BLOCK_HID)
-    d_ok = offs_d < D
-    h_ok = offs_h < HID
+    offs_d, d_ok, offs_h, h_ok = _features(D, HID, BLOCK_D, BLOCK_HID)
     dot_dtype = X.dtype.element_ty
     acc = tl.zeros([BLOCK_D, BLOCK_HID], dtype=tl.float32)
     for r0 in range(0, n_rows, BLOCK_N):  # the rows (b, i, h) of d pre, in order
@@ -143,10 +145,7 @@ def _phi_bwd_x_kernel(D_PRE, W1, DX, n_blocks, n_heads, n_tokens,
     h = bh % n_heads
     js = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
     t = js.to(tl.int64) * STRIDE + r
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_h = tl.arange(0, BLOCK_HID)
-    d_ok = offs_d < D
-    h_ok = offs_h < HID
+    offs_d, d_ok, offs_h, h_ok = _features(D, HID, BLOCK_D, BLOCK_HID)
     dot_dtype = W1.dtype.element_ty
     acc = tl.zeros([BLOCK_J, BLOCK_D], dtype=tl.float32)
     for a in range(M):  # block i = j - a holds token t as its row a*d + r
