@@ -8,8 +8,8 @@ as at a launch. Must run without TRITON_INTERPRET (the interpreter replaces trit
 Why: a version of the lean step's gate kernel that unrolled 24-32 [16 x 128] fp32 tiles measured 40-56 us at batch 1
 on an H100 (perf/NOTES.md); its sm_90 compile used 5-8 KB of stack per thread. The cases below
 are the launches of optimized/kernels/decode_step.py at the paper layout (16 heads per KV group, d_v = 128,
-l = 32, d = 16, l' = 64, n = 16) that matter for speed, the prefill range kernels' launches (prefill_cases) and the
-selected-attention kernels' (selected_cases);
+l = 32, d = 16, l' = 64, n = 16) that matter for speed, the prefill range kernels' launches (prefill_cases), the
+selected-attention kernels' (selected_cases) and Eq. 7's and the gate MLP's kernels (mlp_cases);
 `--require-no-spill` fails if any of them spills beyond what its launch was measured fastest with (the paper
 layout's range dk/dv tile: 8 bytes, against a no-spill tile 8% slower; common.RANGE_MEASURED_STACK; the selected
 dq and dk/dv launches: SELECTED_MEASURED_STACK).
@@ -179,6 +179,31 @@ def prefill_cases() -> list[Case]:
     return cases
 
 
+def mlp_cases() -> list[Case]:
+    """Eq. 7's MLP kernels (prod-125m and the paper: l = 32, d = 16, d = 64 features, 64 hidden) and the gate MLP's
+    backward kernel (768 hidden, 12 heads x 3 gates), bf16, with the launch settings their modules use."""
+    from optimized.kernels import compression_mlp as phi
+    from optimized.kernels import gate_mlp as gate
+
+    bf16, f32 = "*bf16", "*fp32"
+    dims = dict(D=64, HID=64, BLOCK_D=64, BLOCK_HID=64, DOT_FP32=False)
+    block_m, block_h, warps = gate.BACKWARD_LAUNCH
+    return [
+        Case("mlp phi forward", phi._phi_fwd_kernel, dict(X=bf16, W1=bf16, C=f32, W2=bf16, B2=f32, PHI=f32, PRE=f32),
+             dict(L=32, STRIDE=16, BLOCK_N=phi.BLOCKS_PER_TILE, **dims), 4),
+        Case("mlp phi backward d pre", phi._phi_bwd_hidden_kernel,
+             dict(D_OUT=f32, PRE=f32, W2=bf16, D_PRE=f32, DB1_PART=f32, DB2_PART=f32, DW2_PART=f32),
+             dict(BLOCK_N=phi.BLOCKS_PER_TILE, **dims), 4),
+        Case("mlp phi backward d w1", phi._phi_bwd_w1_kernel, dict(X=bf16, D_PRE=f32, DW1=f32),
+             dict(STRIDE=16, BLOCK_N=phi.BLOCKS_PER_TILE, **dims), 4),
+        Case("mlp phi backward d x", phi._phi_bwd_x_kernel, dict(D_PRE=f32, W1=bf16, DX=bf16),
+             dict(M=2, STRIDE=16, BLOCK_J=phi.ROWS_PER_TILE, **dims), 4),
+        Case("mlp gate backward", gate._gate_mlp_bwd_kernel,
+             dict(PRE=bf16, D_LOGITS=bf16, W2=bf16, D_PRE=bf16, H=bf16, DB1_PART=f32),
+             dict(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_O=64, DOT_FP32=False), warps),
+    ]
+
+
 def selected_cases() -> list[Case]:
     """The selected-attention kernels' launches with the tilings optimized/kernels/common.py picks (bf16), at the
     paper layout and prod-125m's (l' = 64): the forward, dq and dk/dv."""
@@ -243,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     spilled, unpipelined = [], []
-    for case in lean_cases() + prefill_cases() + selected_cases():
+    for case in lean_cases() + prefill_cases() + selected_cases() + mlp_cases():
         compiled = compile_sm90(case)
         usage = resources(compiled)
         # Only launches with software pipelining (num_stages > 1) are expected to load their tiles asynchronously.

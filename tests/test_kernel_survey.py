@@ -1,5 +1,5 @@
-"""perf/kernel_survey.py: the lean decode step's gate, score and select kernels and the prefill range and
-selected-attention kernels' launches compile for sm_90 without spilling beyond what was measured acceptable, and the
+"""perf/kernel_survey.py: the lean decode step's gate, score and select kernels, the prefill range and
+selected-attention kernels' launches and Eq. 7's and the gate MLP's kernels compile for sm_90 without spilling beyond what was measured acceptable, and the
 pipelined launches load every tile in their loops asynchronously (no GPU needed: Triton's own ptxas and cuobjdump).
 An earlier gate kernel spilled kilobytes per thread at 16-32 compressed splits and ran several times slower, and an
 earlier selected dq kernel's key-tile load was left synchronous and ran 1.3x-1.5x slower (perf/NOTES.md); this keeps
@@ -31,4 +31,6 @@ def test_kernels_compile_for_sm90_without_spills_and_with_pipelined_loads():
     assert all("G=16 d=128 range dk/dv" in line and line.endswith("    8 B stack") for line in spilling), run.stdout
     selected = [line for line in run.stdout.splitlines() if line.startswith("selected")]
     assert len(selected) == 6, run.stdout
+    mlp = [line for line in run.stdout.splitlines() if line.startswith("mlp")]  # Eq. 7's and the gate MLP's kernels
+    assert len(mlp) == 5 and all(line.endswith("    0 B stack") for line in mlp), run.stdout
     assert "synchronous tile loads" not in run.stdout, run.stdout
