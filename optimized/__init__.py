@@ -13,7 +13,7 @@ blocks -> gate); dispatch.py, masks.py and kernels/common.py are also asked from
     2. optimized/dispatch.py                    device, dtype and backend decided (Route); compute_dtype
     3. optimized/documents.py                   the layout of a packed batch (only with cu_seqlens)
     4. optimized/masks.py                       the convention seams the stages ask
-    5. optimized/compression.py                 Eq. 7 (its MLP on kernels/compression_mlp.py; mean pooling in torch)
+    5. optimized/compression.py                 Eq. 7 (its MLP on kernels/compression_mlp.py under autocast)
     6. optimized/kernels/range_attention.py     Eq. 4 and the window branch, key ranges from the seams
     7. optimized/kernels/common.py              launch settings and @triton.jit helpers of the kernels
     8. optimized/kernels/selection.py           Eq. 8-11: group scores, then top-n

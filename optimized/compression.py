@@ -11,7 +11,7 @@ from reference.contract import PhiMLPWeights, PhiWeights
 
 from . import masks
 from .documents import Documents, documents
-from .dispatch import compute_dtype
+from .dispatch import compute_dtype, in_autocast_dtype
 
 
 def block_windows(x: Tensor, cfg: NSAConfig) -> Tensor:
@@ -45,6 +45,40 @@ def phi_mlp(blocks: Tensor, w: PhiMLPWeights) -> Tensor:
     x = (blocks.to(cd) + w.pos.to(cd)).flatten(-2)
     hidden = F.silu(x @ w.w1.to(cd) + w.b1.to(cd))
     return hidden @ w.w2.to(cd) + w.b2.to(cd)
+
+
+def phi_mlp_chunked(x: Tensor, w: PhiMLPWeights, cfg: NSAConfig) -> Tensor:
+    """phi_mlp(block_windows(x, cfg), w) without building the blocks (NSAConfig has d | l; m = l / d): block i
+    is the d-row chunks i .. i + m - 1, so w1^T flatten(block_i + pos) = sum_a w1_a^T chunk_{i+a} + w1^T flatten(pos),
+    w1_a the rows of w1 that meet the block's a-th chunk. One matmul of every chunk against the m parts of w1 side by
+    side ([chunks, d*D] x [d*D, m*hidden]), then m shifted adds: each key row is read once, where the blocks hold
+    every row m times, widened to the compute dtype. x [B, T, H, D] -> [B, N, H, D] (N >= 1 complete blocks) in the
+    compute dtype; the same function as phi_mlp, its sums grouped differently."""
+    B, T, H, D = x.shape
+    cd = compute_dtype(x.dtype)
+    m, d = cfg.cmp_block // cfg.cmp_stride, cfg.cmp_stride
+    n_blocks = masks.compressed_block_count(T, cfg)
+    n_chunks = n_blocks - 1 + m
+    chunks = x[:, : n_chunks * d].reshape(B, n_chunks, d, H, D).transpose(2, 3).reshape(B, n_chunks, H, d * D)
+    w1 = w.w1.to(cd)
+    hidden = w1.shape[1]
+    w1_parts = w1.view(m, d * D, hidden).permute(1, 0, 2).reshape(d * D, m * hidden)
+    # back to cd after the matmul (autocast returns its own dtype): the parts are summed in cd, as phi_mlp's
+    # matmul result meets b1 in cd. Under autocast to x's own dtype the matmul would narrow widened rows straight
+    # back (an exact round trip, a copy each way and two more in backward): it takes them as they are.
+    parts = ((chunks if in_autocast_dtype(x) else chunks.to(cd)) @ w1_parts).to(cd).view(B, n_chunks, H, m, hidden)
+    pre = parts[:, :n_blocks, :, 0]
+    for a in range(1, m):
+        pre = pre + parts[:, a:a + n_blocks, :, a]
+    hidden_act = F.silu(pre + (w.pos.to(cd).reshape(1, -1) @ w1 + w.b1.to(cd)).view(hidden))
+    return hidden_act @ w.w2.to(cd) + w.b2.to(cd)
+
+
+def _differentiated(k: Tensor, v: Tensor | None, phi: PhiWeights) -> bool:
+    """Whether autograd records Eq. 7 on these inputs (grad mode on and one of them requires a gradient); without v
+    (the keys only) phi.v's weights are not read, so they do not count."""
+    weights = (t for w in ((phi.k,) if v is None else (phi.k, phi.v)) for t in (w.pos, w.w1, w.b1, w.w2, w.b2))
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k, v, *weights))
 
 
 def _check_kv(k: Tensor, v: Tensor) -> None:
@@ -88,17 +122,22 @@ def compress_unrounded(k: Tensor, v: Tensor | None, cfg: NSAConfig, phi: PhiWeig
     """compress, left in the compute dtype (dispatch.compute_dtype) for nsa_forward's attention.
     v=None: the keys only (v_cmp is None), for a call that selects blocks but leaves the compressed branch out.
     docs: the layout of a packed batch (documents.documents), None for independent rows.
-    on_kernels: phi = "mlp" over independent rows on its Triton kernels (kernels/compression_mlp.py, the kernel
-    path's choice: one launch forward, three backward, the blocks never materialised; fp32 for every input dtype,
-    which the kernel path rounds to q's dtype next); mean pooling and packed documents keep the blocks, as the torch
-    path does everywhere."""
+    on_kernels (the kernel path's choice), for phi = "mlp" over independent rows: under autocast to the inputs'
+    dtype (the training setup) its Triton kernels (kernels/compression_mlp.py: one launch forward, three backward,
+    the blocks never materialised; fp32 out, which the kernel path rounds to q's dtype next); otherwise, where
+    autograd will take its gradients, phi_mlp_chunked (its backward adds m shifted slices where the blocks' scatters
+    l/d copies of every row back; forward alone measured no faster, so a forward without gradients keeps the blocks,
+    perf/NOTES.md). Mean pooling, packed documents and the torch path keep the blocks' matmul."""
     _check_kv(k, k if v is None else v)
     check_phi(cfg, phi, k.shape[-1], cfg.head_dim_v if v is None else v.shape[-1])
-    if on_kernels and docs is None and cfg.phi == "mlp" and masks.compressed_block_count(k.shape[1], cfg) > 0:
+    mlp_rows = docs is None and cfg.phi == "mlp" and masks.compressed_block_count(k.shape[1], cfg) > 0
+    if on_kernels and mlp_rows and in_autocast_dtype(k):
         from .kernels.compression_mlp import phi_mlp_kernel
 
         return tuple(None if x is None else phi_mlp_kernel(x, w, cfg.cmp_block, cfg.cmp_stride)
                      for x, w in ((k, phi.k), (v, phi.v)))
+    if on_kernels and mlp_rows and _differentiated(k, v, phi):
+        return phi_mlp_chunked(k, phi.k, cfg), None if v is None else phi_mlp_chunked(v, phi.v, cfg)
     if docs is None:
         k_blocks = block_windows(k, cfg)
         v_blocks = None if v is None else block_windows(v, cfg)

@@ -6,17 +6,17 @@ the stages top to bottom:
   queries, so memory stays O(T * (w + n*l' + T/d)) per head), the outputs rounded once at the end;
 - the kernel path (_kernel_path): the Triton kernels on the inputs' own dtype with fp32 accumulation (the
   compressed and window branches on the range-attention kernel, Eq. 8-11 on the selection kernels, Eq. 5 on one
-  kernel, Eq. 7's MLP on its own kernels; mean pooling and packed documents' Eq. 7 in torch).
+  kernel, Eq. 7's MLP on its own kernels under autocast, else in torch over d-row chunks).
 The selected branch (Eq. 12) has its own switch (`backend`), so both paths run it through selected_branch, its one
 dispatch point. The files a prefill call on the kernel path crosses are listed, in order, in optimized/__init__.py.
 
 Convention seams (optimized.masks): the torch path asks every one at call time. The kernel path asks
 compressed_block_count, sel_block_count, compressed_block_visible and window_start (as each query's key range),
 eq9_pool_weights and current_sel_block, and Eq. 7's MLP kernels take block i as rows i*d .. i*d + l - 1 (as
-optimized.compression.block_windows does; mean pooling and packed documents run its torch code); it computes the
-others itself from the config's switches (window_key_visible, cmp_importance, fixed_order_sum, group_reduce,
-forced_blocks, top_n_blocks, ranked_blocks, selected_token_visible), so replacing one of those changes the torch
-path only. (Decode: docs/decode.md.)
+optimized.compression.block_windows does; elsewhere Eq. 7 runs the torch seams of optimized.compression); it
+computes the others itself from the config's switches (window_key_visible, cmp_importance, fixed_order_sum,
+group_reduce, forced_blocks, top_n_blocks, ranked_blocks, selected_token_visible), so replacing one of those changes
+the torch path only. (Decode: docs/decode.md.)
 """
 
 from __future__ import annotations
