@@ -83,9 +83,9 @@ class NSAAttention(ReferenceNSAAttention):
     def gates(self, x: Tensor) -> Tensor:
         """sigmoid(self.gate(x)) [..., Hq * 3], without keeping the gate MLP's hidden activations (2 x d_model
         values per token, a third of what the layer would otherwise keep beyond dense) for backward: at half
-        precision on the kernel path (dispatch.gate_mlp_on_kernels) the MLP runs on its Triton kernels
-        (kernels/gate_mlp.py: one forward launch, the hidden layer recomputed in backward); elsewhere the torch
-        expression under torch.utils.checkpoint. The MLP draws no random numbers, so no RNG state is saved for its
+        precision on the kernel path (dispatch.gate_mlp_on_kernels) through kernels/gate_mlp.py (the forward the
+        expression's own ops; backward recomputes the first layer and forms the hidden gradient in one Triton
+        launch between the matmuls); elsewhere the torch expression under torch.utils.checkpoint. The MLP draws no random numbers, so no RNG state is saved for its
         recomputation (reading it is not allowed while a CUDA graph records the step)."""
         first, act, last = self.gate
         if isinstance(act, torch.nn.SiLU) and gate_mlp_on_kernels(x.device, x.dtype, self.range_backend):
