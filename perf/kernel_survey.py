@@ -186,7 +186,7 @@ def mlp_cases() -> list[Case]:
     from optimized.kernels import gate_mlp as gate
 
     bf16, f32 = "*bf16", "*fp32"
-    dims = dict(D=64, HID=64, BLOCK_D=64, BLOCK_HID=64, DOT_FP32=False)
+    dims = dict(D=64, HID=64, BLOCK_D=64, BLOCK_HID=64, DOT_FP32=False, INPUT_PRECISION="ieee")
     block_m, block_h, warps = gate.BACKWARD_LAUNCH
     return [
         Case("mlp phi forward", phi._phi_fwd_kernel, dict(X=bf16, W1=bf16, C=f32, W2=bf16, B2=f32, PHI=f32, PRE=f32),
@@ -200,7 +200,7 @@ def mlp_cases() -> list[Case]:
              dict(M=2, STRIDE=16, BLOCK_J=phi.ROWS_PER_TILE, **dims), 4),
         Case("mlp gate backward", gate._gate_mlp_bwd_kernel,
              dict(PRE=bf16, D_LOGITS=bf16, W2=bf16, D_PRE=bf16, H=bf16, DB1_PART=f32),
-             dict(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_O=64, DOT_FP32=False), warps),
+             dict(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_O=64, DOT_FP32=False, INPUT_PRECISION="ieee"), warps),
     ]
 
 

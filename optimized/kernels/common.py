@@ -411,6 +411,17 @@ def key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP
 
 
 @triton.jit
+def dot(a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """a @ b accumulated in fp32. DOT_FP32: both operands as fp32 (exact 'ieee' fp32 dots for fp32 inputs; the
+    interpreter, whose tl.dot is wrong on bf16, runs every dtype this way)."""
+    if DOT_FP32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=INPUT_PRECISION)
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def compensated_add(total, comp, part):
     """One Kahan step: returns (total + part, new compensation); total - comp is the compensated sum."""
     y = part - comp

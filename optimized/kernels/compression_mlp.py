@@ -30,17 +30,10 @@ from torch import Tensor
 
 from reference.contract import PhiMLPWeights
 
-from .common import interpreting, padded
+from .common import dot, dot_settings, padded
 
 BLOCKS_PER_TILE = 64  # blocks of one (sequence, head) per program (forward and backward (1)); rows per dot in (2)
 ROWS_PER_TILE = 64  # chunk indices j per program in backward (3)
-
-
-@triton.jit
-def _dot(a, b, DOT_FP32: tl.constexpr):
-    if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -68,7 +61,8 @@ def _block_tile(n_blocks, n_heads, D: tl.constexpr, HID: tl.constexpr, BLOCK_D: 
 def _phi_fwd_kernel(X, W1, C, W2, B2, PHI, PRE, n_blocks, n_heads,
                     stride_xb, stride_xt, stride_xh,
                     L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr, HID: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
     b, h, blocks, ok, row, offs_d, d_ok, offs_h, h_ok = _block_tile(n_blocks, n_heads, D, HID, BLOCK_D, BLOCK_HID,
                                                                     BLOCK_N)
     dot_dtype = W1.dtype.element_ty
@@ -79,11 +73,12 @@ def _phi_fwd_kernel(X, W1, C, W2, B2, PHI, PRE, n_blocks, n_heads,
         x = tl.load(x_base + t[:, None] * stride_xt + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         w1 = tl.load(W1 + (p * D + offs_d[:, None]) * HID + offs_h[None, :], mask=d_ok[:, None] & h_ok[None, :],
                      other=0.0)
-        pre += _dot(x.to(dot_dtype), w1, DOT_FP32)
+        pre += dot(x.to(dot_dtype), w1, DOT_FP32, INPUT_PRECISION)
     pre += tl.load(C + offs_h, mask=h_ok, other=0.0)[None, :]
     act = pre / (1.0 + tl.exp(-pre))
     w2 = tl.load(W2 + offs_h[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    out = _dot(act.to(dot_dtype), w2, DOT_FP32) + tl.load(B2 + offs_d, mask=d_ok, other=0.0)[None, :]
+    out = dot(act.to(dot_dtype), w2, DOT_FP32, INPUT_PRECISION)
+    out += tl.load(B2 + offs_d, mask=d_ok, other=0.0)[None, :]
     tl.store(PHI + row[:, None] * D + offs_d[None, :], out, mask=ok[:, None] & d_ok[None, :])
     tl.store(PRE + row[:, None] * HID + offs_h[None, :], pre, mask=ok[:, None] & h_ok[None, :])
 
@@ -91,14 +86,14 @@ def _phi_fwd_kernel(X, W1, C, W2, B2, PHI, PRE, n_blocks, n_heads,
 @triton.jit
 def _phi_bwd_hidden_kernel(D_OUT, PRE, W2, D_PRE, DB1_PART, DB2_PART, DW2_PART, n_blocks, n_heads,
                            D: tl.constexpr, HID: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr,
-                           BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                           BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     b, h, blocks, ok, row, offs_d, d_ok, offs_h, h_ok = _block_tile(n_blocks, n_heads, D, HID, BLOCK_D, BLOCK_HID,
                                                                     BLOCK_N)
     dot_dtype = W2.dtype.element_ty
     d_out = tl.load(D_OUT + row[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
     pre = tl.load(PRE + row[:, None] * HID + offs_h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0)
     w2 = tl.load(W2 + offs_h[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    d_act = _dot(d_out.to(dot_dtype), tl.trans(w2), DOT_FP32)  # [BLOCK_N, BLOCK_HID]
+    d_act = dot(d_out.to(dot_dtype), tl.trans(w2), DOT_FP32, INPUT_PRECISION)  # [BLOCK_N, BLOCK_HID]
     sig = 1.0 / (1.0 + tl.exp(-pre))
     d_pre = d_act * sig * (1.0 + pre * (1.0 - sig))
     act = pre * sig
@@ -106,7 +101,7 @@ def _phi_bwd_hidden_kernel(D_OUT, PRE, W2, D_PRE, DB1_PART, DB2_PART, DW2_PART, 
     part = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tl.store(DB1_PART + part * HID + offs_h, tl.sum(d_pre, axis=0), mask=h_ok)
     tl.store(DB2_PART + part * D + offs_d, tl.sum(d_out, axis=0), mask=d_ok)
-    d_w2 = _dot(tl.trans(act.to(dot_dtype)), d_out.to(dot_dtype), DOT_FP32)  # [BLOCK_HID, BLOCK_D]
+    d_w2 = dot(tl.trans(act.to(dot_dtype)), d_out.to(dot_dtype), DOT_FP32, INPUT_PRECISION)  # [BLOCK_HID, BLOCK_D]
     tl.store(DW2_PART + part * HID * D + offs_h[:, None] * D + offs_d[None, :], d_w2,
              mask=h_ok[:, None] & d_ok[None, :])
 
@@ -115,7 +110,8 @@ def _phi_bwd_hidden_kernel(D_OUT, PRE, W2, D_PRE, DB1_PART, DB2_PART, DW2_PART, 
 def _phi_bwd_w1_kernel(X, D_PRE, DW1, n_blocks, n_heads, n_rows,
                        stride_xb, stride_xt, stride_xh,
                        STRIDE: tl.constexpr, D: tl.constexpr, HID: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                       BLOCK_HID: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
     p = tl.program_id(0)  # block row p: rows p*D .. p*D + D - 1 of d w1
     offs_d, d_ok, offs_h, h_ok = _features(D, HID, BLOCK_D, BLOCK_HID)
     dot_dtype = X.dtype.element_ty
@@ -131,7 +127,7 @@ def _phi_bwd_w1_kernel(X, D_PRE, DW1, n_blocks, n_heads, n_rows,
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
         d_pre = tl.load(D_PRE + rows.to(tl.int64)[:, None] * HID + offs_h[None, :],
                         mask=ok[:, None] & h_ok[None, :], other=0.0)
-        acc += _dot(tl.trans(x), d_pre.to(dot_dtype), DOT_FP32)
+        acc += dot(tl.trans(x), d_pre.to(dot_dtype), DOT_FP32, INPUT_PRECISION)
     tl.store(DW1 + (p * D + offs_d[:, None]) * HID + offs_h[None, :], acc, mask=d_ok[:, None] & h_ok[None, :])
 
 
@@ -139,7 +135,8 @@ def _phi_bwd_w1_kernel(X, D_PRE, DW1, n_blocks, n_heads, n_rows,
 def _phi_bwd_x_kernel(D_PRE, W1, DX, n_blocks, n_heads, n_tokens,
                       stride_db, stride_dt, stride_dh,
                       M: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr, HID: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, BLOCK_J: tl.constexpr, DOT_FP32: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, BLOCK_J: tl.constexpr, DOT_FP32: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr):
     r = tl.program_id(1) % STRIDE  # row r of each chunk j: token t = j*d + r
     bh = tl.program_id(1) // STRIDE
     b = bh // n_heads
@@ -156,14 +153,15 @@ def _phi_bwd_x_kernel(D_PRE, W1, DX, n_blocks, n_heads, n_tokens,
                         mask=ok[:, None] & h_ok[None, :], other=0.0)
         w1_t = tl.load(W1 + ((a * STRIDE + r) * D + offs_d[None, :]) * HID + offs_h[:, None],
                        mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_HID, BLOCK_D] of w1_p^T
-        acc += _dot(d_pre.to(dot_dtype), w1_t, DOT_FP32)
+        acc += dot(d_pre.to(dot_dtype), w1_t, DOT_FP32, INPUT_PRECISION)
     tl.store(DX + b.to(tl.int64) * stride_db + t[:, None] * stride_dt + h * stride_dh + offs_d[None, :],
              acc.to(DX.dtype.element_ty), mask=(t < n_tokens)[:, None] & d_ok[None, :])
 
 
-def _dot_fp32(dot_dtype: torch.dtype) -> bool:
-    """fp32 operands (and the interpreter, whose tl.dot is wrong on half inputs) take exact fp32 dots."""
-    return dot_dtype == torch.float32 or interpreting()
+def _dot_modes(dot_dtype: torch.dtype) -> dict:
+    """The kernels' DOT_FP32 and INPUT_PRECISION for matmul operands in dot_dtype (common.dot_settings)."""
+    dot_fp32, precision = dot_settings(dot_dtype)
+    return dict(DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
 
 
 def phi_mlp_forward(x: Tensor, w: PhiMLPWeights, block: int, stride: int, dot_dtype: torch.dtype
@@ -182,7 +180,7 @@ def phi_mlp_forward(x: Tensor, w: PhiMLPWeights, block: int, stride: int, dot_dt
         x, w.w1.to(dot_dtype).contiguous(), c, w.w2.to(dot_dtype).contiguous(), w.b2.float().contiguous(), out, pre,
         n_blocks, H, x.stride(0), x.stride(1), x.stride(2),
         L=block, STRIDE=stride, D=D, HID=hidden, BLOCK_D=padded(D), BLOCK_HID=padded(hidden),
-        BLOCK_N=BLOCKS_PER_TILE, DOT_FP32=_dot_fp32(dot_dtype), num_warps=4,
+        BLOCK_N=BLOCKS_PER_TILE, **_dot_modes(dot_dtype), num_warps=4,
     )
     return out, pre
 
@@ -194,8 +192,7 @@ def phi_mlp_backward(d_out: Tensor, x: Tensor, pre: Tensor, w: PhiMLPWeights, bl
     n_blocks, hidden = pre.shape[1], pre.shape[3]
     d_out = d_out.float().contiguous()
     w1, w2 = w.w1.to(dot_dtype).contiguous(), w.w2.to(dot_dtype).contiguous()
-    dot_fp32 = _dot_fp32(dot_dtype)
-    dims = dict(D=D, HID=hidden, BLOCK_D=padded(D), BLOCK_HID=padded(hidden), DOT_FP32=dot_fp32)
+    dims = dict(D=D, HID=hidden, BLOCK_D=padded(D), BLOCK_HID=padded(hidden), **_dot_modes(dot_dtype))
     tiles = triton.cdiv(n_blocks, BLOCKS_PER_TILE)
     d_pre = torch.empty_like(pre)
     db1 = torch.empty((tiles * B * H, hidden), device=x.device, dtype=torch.float32)

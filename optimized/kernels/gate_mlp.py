@@ -24,23 +24,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import dot_settings, padded
+from .common import dot, dot_settings, padded
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _mm(a, b, DOT_FP32: tl.constexpr):
-    if DOT_FP32:  # the interpreter's tl.dot is wrong on half inputs (common.dot_settings)
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
 def _gate_mlp_bwd_kernel(PRE, D_LOGITS, W2, D_PRE, H, DB1_PART, n_tokens, n_hidden, n_out,
                          stride_pre, stride_dl, stride_w2, stride_dp, stride_h,
                          BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_O: tl.constexpr,
-                         DOT_FP32: tl.constexpr):
+                         DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     hid = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -53,7 +46,7 @@ def _gate_mlp_bwd_kernel(PRE, D_LOGITS, W2, D_PRE, H, DB1_PART, n_tokens, n_hidd
                        mask=row_ok[:, None] & (offs_o < n_out)[None, :], other=0.0)
     w2 = tl.load(W2 + offs_o[:, None] * stride_w2 + hid[None, :], mask=(offs_o < n_out)[:, None] & hid_ok[None, :],
                  other=0.0)
-    dh = _mm(d_logits, w2, DOT_FP32).to(dtype).to(tl.float32)  # mm, rounded
+    dh = dot(d_logits, w2, DOT_FP32, INPUT_PRECISION).to(dtype).to(tl.float32)  # mm, rounded
     pre = tl.load(PRE + rows[:, None] * stride_pre + hid[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-pre))
     d_pre = (dh * sig * (1.0 + pre * (1.0 - sig))).to(dtype)  # silu_backward in fp32, rounded
@@ -84,11 +77,12 @@ def gate_mlp_backward(dg: Tensor, g: Tensor, x: Tensor, w1: Tensor, b1: Tensor, 
     block_m, block_h, warps = BACKWARD_LAUNCH
     tiles = triton.cdiv(n_tokens, block_m)
     db1_parts = torch.empty((tiles, n_hidden), dtype=torch.float32, device=x.device)
+    dot_fp32, precision = dot_settings(x.dtype)
     if n_tokens:
         _gate_mlp_bwd_kernel[(tiles, triton.cdiv(n_hidden, block_h))](
             pre, d_logits, w2, d_pre, h, db1_parts, n_tokens, n_hidden, n_out,
             pre.stride(0), d_logits.stride(0), w2.stride(0), d_pre.stride(0), h.stride(0),
-            BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_O=padded(n_out), DOT_FP32=dot_settings(x.dtype)[0],
+            BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_O=padded(n_out), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
             num_warps=warps,
         )
     return (d_pre @ w1, d_pre.t() @ x, db1_parts.sum(0).to(b1.dtype), d_logits.t() @ h,

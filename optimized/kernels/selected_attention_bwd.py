@@ -47,24 +47,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ..numerics import LOG2E
-from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot_settings, dq_row_copies, dq_tiling,
+from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_row_copies, dq_tiling,
                      heads_per_query, key_tile_rows, launch_with_fallback, padded, selected_block_keys,
                      smaller_dkdv_tilings)
 from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
 
 L = TypeVar("L")
-
-
-@triton.jit
-def _dot(a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """a @ b accumulated in fp32. DOT_FP32: both operands as fp32 (exact 'ieee' fp32 dots for fp32 inputs; the
-    interpreter, whose tl.dot is wrong on bf16, runs every dtype this way)."""
-    if DOT_FP32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=INPUT_PRECISION)
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit
@@ -150,8 +139,8 @@ def _selected_attention_bwd_dq_kernel(
                          mask=key_mask[:, None] & dk_mask[None, :], other=0.0)
         vT = tl.load(v_base + pos[None, :] * stride_vt + offs_dv[:, None],
                      mask=key_mask[None, :] & dv_mask[:, None], other=0.0)
-        s = _dot(q, tl.trans(k_rows), DOT_FP32, INPUT_PRECISION)
-        dp = _dot(do, vT, DOT_FP32, INPUT_PRECISION)
+        s = dot(q, tl.trans(k_rows), DOT_FP32, INPUT_PRECISION)
+        dp = dot(do, vT, DOT_FP32, INPUT_PRECISION)
         probs = tl.where(key_mask[None, :], tl.exp2(s * scale_log2 - m2[:, None]) * inv_l[:, None], 0.0)
         ds = probs * (dp - delta_start[:, None])
         shift += tl.sum(ds, 1)
@@ -160,19 +149,19 @@ def _selected_attention_bwd_dq_kernel(
             ds_hi = ds.to(K.dtype.element_ty)
             ds_lo = (ds - ds_hi.to(tl.float32)).to(K.dtype.element_ty)
             if COPIES == 1:
-                dq += _dot(ds_hi, k_rows, DOT_FP32, INPUT_PRECISION)
-                dq += _dot(ds_lo, k_rows, DOT_FP32, INPUT_PRECISION)
-                p_k += _dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += dot(ds_hi, k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += dot(ds_lo, k_rows, DOT_FP32, INPUT_PRECISION)
+                p_k += dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
             elif COPIES == 2:  # copy 0: dS hi, copy 1: dS lo, in one dot; sum P k in its own
-                dq += _dot(tl.where(copy[:, None] == 0, ds_hi, ds_lo), k_rows, DOT_FP32, INPUT_PRECISION)
-                p_k += _dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += dot(tl.where(copy[:, None] == 0, ds_hi, ds_lo), k_rows, DOT_FP32, INPUT_PRECISION)
+                p_k += dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
             else:  # copy 0: dS hi, copy 1: dS lo, copy 2: P, all three in one dot
                 parts = tl.where(copy[:, None] == 0, ds_hi,
                                  tl.where(copy[:, None] == 1, ds_lo, probs.to(K.dtype.element_ty)))
-                dq += _dot(parts, k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += dot(parts, k_rows, DOT_FP32, INPUT_PRECISION)
         else:
-            dq += _dot(ds, k_rows, DOT_FP32, INPUT_PRECISION)
-            p_k += _dot(probs, k_rows, DOT_FP32, INPUT_PRECISION)
+            dq += dot(ds, k_rows, DOT_FP32, INPUT_PRECISION)
+            p_k += dot(probs, k_rows, DOT_FP32, INPUT_PRECISION)
 
     if COPIES > 1:  # back to one row per head: dq = hi + lo, sum P k, and copy 0's row sums
         if COPIES == 3:
@@ -265,16 +254,16 @@ def _selected_attention_bwd_dkdv_kernel(
         delta = tl.load(DELTA + b * stride_db + t * stride_dt + heads, mask=col_ok, other=0.0)
         visible = key_mask[:, None] & (pos[:, None] <= (q_offset + t)[None, :]) & col_ok[None, :]  # Eq. 12 clip
 
-        sT = _dot(k, tl.trans(q), DOT_FP32, INPUT_PRECISION)  # [BLOCK_N, BLOCK_COLS]
+        sT = dot(k, tl.trans(q), DOT_FP32, INPUT_PRECISION)  # [BLOCK_N, BLOCK_COLS]
         pT = tl.where(visible, tl.exp2(sT * scale_log2 - m2[None, :]) * inv_l[None, :], 0.0)
-        dpT = _dot(v, tl.trans(do), DOT_FP32, INPUT_PRECISION)
+        dpT = dot(v, tl.trans(do), DOT_FP32, INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if COMPENSATED:
-            dv, dv_comp = compensated_add(dv, dv_comp, _dot(pT, do, DOT_FP32, INPUT_PRECISION))
-            dk, dk_comp = compensated_add(dk, dk_comp, _dot(dsT, q, DOT_FP32, INPUT_PRECISION))
+            dv, dv_comp = compensated_add(dv, dv_comp, dot(pT, do, DOT_FP32, INPUT_PRECISION))
+            dk, dk_comp = compensated_add(dk, dk_comp, dot(dsT, q, DOT_FP32, INPUT_PRECISION))
         else:
-            dv += _dot(pT.to(do.dtype), do, DOT_FP32, INPUT_PRECISION)
-            dk += _dot(dsT.to(q.dtype), q, DOT_FP32, INPUT_PRECISION)
+            dv += dot(pT.to(do.dtype), do, DOT_FP32, INPUT_PRECISION)
+            dk += dot(dsT.to(q.dtype), q, DOT_FP32, INPUT_PRECISION)
     dk = (dk - dk_comp) * scale
     dv = dv - dv_comp
 
