@@ -173,11 +173,6 @@ def gate_mlp_on_kernels(device: torch.device, dtype: torch.dtype, range_backend:
     """Whether NSAAttention.project runs the gate MLP on its Triton kernels (optimized/kernels/gate_mlp.py): for
     bf16/fp16 inputs (under autocast, the autocast dtype's) under range_backend's rule ("auto": CUDA tensors;
     "triton": forced; "torch": never). fp32 inputs keep the torch expression (cuBLAS's fp32 matmuls) on every
-    backend."""
+    backend; half precision follows the rule RoPE's kernel follows (rope_on_kernels)."""
     check_backend("range_backend", range_backend)
-    if dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if range_backend == "triton":
-        check_kernels_run_on("range_backend", device)
-        return True
-    return range_backend == "auto" and auto_picks_kernels(device, dtype)
+    return dtype in (torch.bfloat16, torch.float16) and rope_on_kernels(device, dtype, range_backend)
