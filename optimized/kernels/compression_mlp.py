@@ -164,10 +164,10 @@ def _dot_modes(dot_dtype: torch.dtype) -> dict:
     return dict(DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
 
 
-def phi_mlp_forward(x: Tensor, w: PhiMLPWeights, block: int, stride: int, dot_dtype: torch.dtype
+def phi_mlp_forward(x: Tensor, w: PhiMLPWeights, dot_w: tuple[Tensor, Tensor], block: int, stride: int
                     ) -> tuple[Tensor, Tensor]:
     """(phi [B, N, H, D] fp32, pre [B, N, H, hidden] fp32) for x [B, T, H, D] (last dim contiguous) and the
-    weights w (used in dot_dtype; the bias terms in fp32)."""
+    weights w: the matmuls take dot_w = (w1, w2) in the dot dtype (contiguous), the bias terms fp32."""
     B, T, H, D = x.shape
     n_blocks = (T - block) // stride + 1 if T >= block else 0
     hidden = w.w1.shape[1]
@@ -177,22 +177,22 @@ def phi_mlp_forward(x: Tensor, w: PhiMLPWeights, block: int, stride: int, dot_dt
         return out, pre
     c = torch.addmv(w.b1.float(), w.w1.float().t(), w.pos.float().reshape(-1))  # flatten(pos) w1 + b1
     _phi_fwd_kernel[(triton.cdiv(n_blocks, BLOCKS_PER_TILE), B * H)](
-        x, w.w1.to(dot_dtype).contiguous(), c, w.w2.to(dot_dtype).contiguous(), w.b2.float().contiguous(), out, pre,
+        x, dot_w[0], c, dot_w[1], w.b2.float().contiguous(), out, pre,
         n_blocks, H, x.stride(0), x.stride(1), x.stride(2),
         L=block, STRIDE=stride, D=D, HID=hidden, BLOCK_D=padded(D), BLOCK_HID=padded(hidden),
-        BLOCK_N=BLOCKS_PER_TILE, **_dot_modes(dot_dtype), num_warps=4,
+        BLOCK_N=BLOCKS_PER_TILE, **_dot_modes(dot_w[0].dtype), num_warps=4,
     )
     return out, pre
 
 
-def phi_mlp_backward(d_out: Tensor, x: Tensor, pre: Tensor, w: PhiMLPWeights, block: int, stride: int,
-                     dot_dtype: torch.dtype) -> tuple[Tensor, ...]:
+def phi_mlp_backward(d_out: Tensor, x: Tensor, pre: Tensor, w: PhiMLPWeights, dot_w: tuple[Tensor, Tensor],
+                     block: int, stride: int) -> tuple[Tensor, ...]:
     """(d x in x's dtype, d pos, d w1, d b1, d w2, d b2 in fp32) of phi_mlp_forward for d_out [B, N, H, D]."""
     B, T, H, D = x.shape
     n_blocks, hidden = pre.shape[1], pre.shape[3]
     d_out = d_out.float().contiguous()
-    w1, w2 = w.w1.to(dot_dtype).contiguous(), w.w2.to(dot_dtype).contiguous()
-    dims = dict(D=D, HID=hidden, BLOCK_D=padded(D), BLOCK_HID=padded(hidden), **_dot_modes(dot_dtype))
+    w1, w2 = dot_w
+    dims = dict(D=D, HID=hidden, BLOCK_D=padded(D), BLOCK_HID=padded(hidden), **_dot_modes(w1.dtype))
     tiles = triton.cdiv(n_blocks, BLOCKS_PER_TILE)
     d_pre = torch.empty_like(pre)
     db1 = torch.empty((tiles * B * H, hidden), device=x.device, dtype=torch.float32)
@@ -219,18 +219,19 @@ class PhiMLPFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, block: int, stride: int,
                 dot_dtype: torch.dtype) -> Tensor:
         w = PhiMLPWeights(pos, w1, b1, w2, b2)
-        out, pre = phi_mlp_forward(x, w, block, stride, dot_dtype)
-        ctx.save_for_backward(x, pre, pos, w1, b1, w2, b2)
-        ctx.shape = (block, stride, dot_dtype)
+        dot_w = (w1.to(dot_dtype).contiguous(), w2.to(dot_dtype).contiguous())  # cast once, kept for backward
+        out, pre = phi_mlp_forward(x, w, dot_w, block, stride)
+        ctx.save_for_backward(x, pre, *dot_w, pos, w1, b1, w2, b2)
+        ctx.shape = (block, stride)
         return out
 
     @staticmethod
     def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, pre, *weights = ctx.saved_tensors
-        block, stride, dot_dtype = ctx.shape
+        x, pre, dot_w1, dot_w2, *weights = ctx.saved_tensors
+        block, stride = ctx.shape
         w = PhiMLPWeights(*weights)
         with torch.autocast(x.device.type, enabled=False):
-            dx, d_pos, d_w1, d_b1, d_w2, d_b2 = phi_mlp_backward(d_out, x, pre, w, block, stride, dot_dtype)
+            dx, d_pos, d_w1, d_b1, d_w2, d_b2 = phi_mlp_backward(d_out, x, pre, w, (dot_w1, dot_w2), block, stride)
         grads = (d_pos, d_w1, d_b1, d_w2, d_b2)
         return (dx, *(g.to(t.dtype) for g, t in zip(grads, weights)), None, None, None)
 
