@@ -29,6 +29,7 @@ from torch import Tensor
 
 BACKENDS = ("auto", "torch", "triton")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take (they accumulate in fp32)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 MAX_KERNEL_GROUP = 64  # query heads per KV group of the selected-attention kernel's [h, d_k] tile
 MAX_KERNEL_HEAD_DIM = 256  # largest d_k / d_v of every kernel (other head dims are padded to a power of two)
 
@@ -175,4 +176,4 @@ def gate_mlp_on_kernels(device: torch.device, dtype: torch.dtype, range_backend:
     "triton": forced; "torch": never). fp32 inputs keep the torch expression (cuBLAS's fp32 matmuls) on every
     backend; half precision follows the rule RoPE's kernel follows (rope_on_kernels)."""
     check_backend("range_backend", range_backend)
-    return dtype in (torch.bfloat16, torch.float16) and rope_on_kernels(device, dtype, range_backend)
+    return dtype in HALF_DTYPES and rope_on_kernels(device, dtype, range_backend)

@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..dispatch import HALF_DTYPES
 from .common import dot, dot_settings, padded
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
