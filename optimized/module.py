@@ -56,7 +56,9 @@ class NSAAttention(ReferenceNSAAttention):
                 cu_seqlens: Tensor | None = None) -> tuple[Tensor, BranchKV, Tensor]:
         """reference.NSAAttention.project with fewer kernels: q and the three branches' k and v come from one
         matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
-        computed once; one Triton launch each way on the kernel path: `rotate`). Under autocast x is cast once,
+        computed once). On the kernel path (dispatch.rope_on_kernels) kernels.rope.project_heads takes the
+        matmul's output apart, one Triton launch forward, and backward writes the parts' gradients straight into
+        the matmul's output gradient (no concatenations of them). Under autocast x is cast once,
         for that matmul and the gate MLP, so backward keeps one low-precision copy of x instead of one per matmul,
         and the gate MLP's hidden activations are recomputed in backward (gates). q and k are views of RoPE's output; v
         is copied out of the matmul's output, so what backward keeps of it is v alone (the pre-RoPE q and k are
@@ -70,13 +72,20 @@ class NSAAttention(ReferenceNSAAttention):
         weight = torch.cat([self.q_proj.weight, *(getattr(self, f"k_{b}_proj").weight for b in BRANCHES),
                             *(getattr(self, f"v_{b}_proj").weight for b in BRANCHES)])
         y = F.linear(x, weight)
-        n_qk = (Hq + len(BRANCHES) * Hkv) * dk
-        # torch.split rather than slices: backward concatenates the parts' gradients into one tensor, where each
-        # slice would zero-fill a gradient of the whole tensor and the parts would then be added.
-        y_qk, y_v = y.split([n_qk, len(BRANCHES) * Hkv * dv], dim=-1)
-        qk = rotate(y_qk.view(B, T, Hq + len(BRANCHES) * Hkv, dk), positions, self.rope_base, self.range_backend)
-        q, *ks = qk.split([Hq] + [Hkv] * len(BRANCHES), dim=2)
-        vs = y_v.contiguous().view(B, T, len(BRANCHES) * Hkv, dv).split(Hkv, dim=2)
+        rotated, plain = (Hq,) + (Hkv,) * len(BRANCHES), (Hkv,) * len(BRANCHES)
+        if rope_on_kernels(y.device, y.dtype, self.range_backend):
+            from .kernels.rope import project_heads
+
+            q, *ks_vs = project_heads(y, positions, self.rope_base, rotated, dk, plain, dv)
+            ks, vs = ks_vs[:len(BRANCHES)], ks_vs[len(BRANCHES):]
+        else:
+            n_qk = sum(rotated) * dk
+            # torch.split rather than slices: backward concatenates the parts' gradients into one tensor, where
+            # each slice would zero-fill a gradient of the whole tensor and the parts would then be added.
+            y_qk, y_v = y.split([n_qk, sum(plain) * dv], dim=-1)
+            qk = apply_rope(y_qk.view(B, T, sum(rotated), dk), positions, self.rope_base)
+            q, *ks = qk.split(list(rotated), dim=2)
+            vs = y_v.contiguous().view(B, T, sum(plain), dv).split(Hkv, dim=2)
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
         return q, kv, self.gates(x).view(B, T, Hq, 3)
 
@@ -85,8 +94,9 @@ class NSAAttention(ReferenceNSAAttention):
         values per token, a third of what the layer would otherwise keep beyond dense) for backward: at half
         precision on the kernel path (dispatch.gate_mlp_on_kernels) through kernels/gate_mlp.py (the forward the
         expression's own ops; backward recomputes the first layer and forms the hidden gradient in one Triton
-        launch between the matmuls); elsewhere the torch expression under torch.utils.checkpoint. The MLP draws no random numbers, so no RNG state is saved for its
-        recomputation (reading it is not allowed while a CUDA graph records the step)."""
+        launch between the matmuls); elsewhere the torch expression under torch.utils.checkpoint. The MLP draws no
+        random numbers, so no RNG state is saved for its recomputation (reading it is not allowed while a CUDA graph
+        records the step)."""
         first, act, last = self.gate
         if isinstance(act, torch.nn.SiLU) and gate_mlp_on_kernels(x.device, x.dtype, self.range_backend):
             from .kernels.gate_mlp import gate_mlp_kernel

@@ -16,6 +16,11 @@ the forward pass with s negated (negation is exact). Backward keeps only c and s
 
 The output is a new contiguous [B, T, H, D] tensor; x may be any view whose last dimension is contiguous (the
 q/k part of a projection's output).
+
+project_heads takes the whole output of a q/k/v projection ([B, T, N]: heads to rotate, then heads kept as they
+are) and returns each part's heads as its own tensor; its backward writes every part's gradient (the rotated ones
+through the inverse rotation) straight into the columns of one [B, T, N] gradient, the matmul's, where autograd of
+split views concatenates the parts' gradients two or three times over (a pass over the whole gradient each).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .common import row_pass_shape
 
 @triton.jit
 def _rope_kernel(X, COS, SIN, Y,
-                 stride_xb, stride_xt, stride_xh, n_rows, T, H,
+                 stride_xb, stride_xt, stride_xh, stride_yb, stride_yt, stride_yh, n_rows, T, H,
                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, INVERSE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (batch, token, head) in that order
     cols = tl.arange(0, BLOCK_HALF)
@@ -53,21 +58,23 @@ def _rope_kernel(X, COS, SIN, Y,
     x1, x2, c, s = x1.to(tl.float32), x2.to(tl.float32), c.to(tl.float32), s.to(tl.float32)
     y1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
     y2 = ((x1 * s).to(dtype).to(tl.float32) + (x2 * c).to(dtype).to(tl.float32)).to(dtype)
-    y_row = Y + rows[:, None] * (2 * HALF) + cols[None, :]
+    y_row = Y + (b * stride_yb + t * stride_yt + h * stride_yh)[:, None] + cols[None, :]
     tl.store(y_row, y1, mask=mask)
     tl.store(y_row + HALF, y2, mask=mask)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, out: Tensor | None = None) -> Tensor:
+    """x [B, T, H, D] rotated (by -angle with inverse) into out (any [B, T, H, D] view of x's dtype whose last
+    dimension is contiguous; default a new contiguous tensor)."""
     B, T, H, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
+    y = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device) if out is None else out
     n_rows = B * T * H
     if n_rows:
         block, rows = row_pass_shape(D)  # a row pass over the (token, head) rows; each loads two halves of block / 2
         _rope_kernel[(triton.cdiv(n_rows, rows),)](
-            x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), n_rows, T, H,
+            x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), n_rows, T, H,
             HALF=D // 2, BLOCK_HALF=block // 2, ROWS=rows, INVERSE=inverse,
             num_warps=4, enable_fp_fusion=False,  # every product and sum rounded on its own, as in torch
         )
@@ -96,3 +103,65 @@ def apply_rope_kernel(x: Tensor, positions: Tensor, base: float = 10000.0) -> Te
         raise ValueError(f"apply_rope_kernel: positions must be [T] = [{x.shape[1]}], got {tuple(positions.shape)}")
     cos, sin = rope_angles(positions, x.shape[-1], base)
     return _Rope.apply(x, cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous())
+
+
+class _ProjectHeads(torch.autograd.Function):
+    """(rotated parts..., plain parts...) of a projection's output y [B, T, N] (project_heads)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, cos: Tensor, sin: Tensor, rotated: tuple[int, ...], dk: int,
+                plain: tuple[int, ...], dv: int) -> tuple[Tensor, ...]:
+        B, T, _ = y.shape
+        n_rotated = sum(rotated) * dk
+        qk = _rotate(y[..., :n_rotated].view(B, T, sum(rotated), dk), cos, sin, inverse=False)
+        # the plain heads are copied out of y, so that backward keeps them alone rather than all of y
+        v = y[..., n_rotated:n_rotated + sum(plain) * dv].contiguous().view(B, T, sum(plain), dv)
+        ctx.save_for_backward(cos, sin)
+        ctx.layout = (y.shape, rotated, dk, plain, dv)
+        ctx.set_materialize_grads(False)  # a part without a gradient comes as None: its columns are zero-filled
+        return (*qk.split(list(rotated), dim=2), *v.split(list(plain), dim=2))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        cos, sin = ctx.saved_tensors
+        shape, rotated, dk, plain, dv = ctx.layout
+        B, T, _ = shape
+        dy = torch.empty(shape, dtype=cos.dtype, device=cos.device)
+        column = 0
+        for i, (heads, width) in enumerate([(h, dk) for h in rotated] + [(h, dv) for h in plain]):
+            part = dy[..., column:column + heads * width].view(B, T, heads, width)
+            grad = grads[i]
+            if grad is None:  # a part that reached no loss
+                part.zero_()
+            elif i < len(rotated):
+                _rotate(grad, cos, sin, inverse=True, out=part)
+            else:
+                part.copy_(grad)
+            column += heads * width
+        if column < shape[-1]:
+            dy[..., column:].zero_()
+        return dy, None, None, None, None, None, None
+
+
+def project_heads(y: Tensor, positions: Tensor, base: float, rotated: tuple[int, ...], dk: int,
+                  plain: tuple[int, ...], dv: int) -> tuple[Tensor, ...]:
+    """The heads of a fused projection's output y [B, T, N] of fp32, bf16 or fp16: the first sum(rotated) * dk
+    columns as heads of dk rotated by RoPE at positions [T] (apply_rope_kernel), split into parts of `rotated`
+    heads each; the next sum(plain) * dv columns as heads of dv, copied, split into parts of `plain` heads.
+    Returns the rotated parts, then the plain parts (views of one tensor each). Values and gradients are bitwise
+    those of apply_rope_kernel on y's view and of split views; backward writes each part's gradient into its
+    columns of y's gradient (module docstring)."""
+    if y.dim() != 3 or y.dtype not in KERNEL_DTYPES or dk % 2:
+        raise ValueError(f"project_heads: y must be a [B, T, N] tensor of {KERNEL_DTYPES} and dk even, got "
+                         f"{y.dtype} {tuple(y.shape)}, dk={dk}")
+    if sum(rotated) * dk + sum(plain) * dv > y.shape[-1]:
+        raise ValueError(f"project_heads: {sum(rotated)} heads of {dk} and {sum(plain)} of {dv} need "
+                         f"{sum(rotated) * dk + sum(plain) * dv} columns, y has {y.shape[-1]}")
+    if positions.shape != y.shape[1:2]:
+        raise ValueError(f"project_heads: positions must be [T] = [{y.shape[1]}], got {tuple(positions.shape)}")
+    if y.stride(-1) != 1:
+        y = y.contiguous()
+    cos, sin = rope_angles(positions, dk, base)
+    return _ProjectHeads.apply(y, cos.to(y.dtype).contiguous(), sin.to(y.dtype).contiguous(), tuple(rotated), dk,
+                               tuple(plain), dv)
+

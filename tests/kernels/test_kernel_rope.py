@@ -1,8 +1,10 @@
 """The RoPE kernel (optimized/kernels/rope.py) against the torch expression it replaces, reference.module.apply_rope:
 the output and the input's gradient must be IDENTICAL (bitwise), for contiguous inputs and for the strided q/k view of
-a projection's output, at position offsets, odd half widths and every kernel dtype. Then the module path:
-NSAAttention.project and the dense benchmark layer run the kernel where dispatch says so, with the same q and k as
-the torch expression.
+a projection's output, at position offsets, odd half widths and every kernel dtype; project_heads (a fused
+projection's output taken apart into rotated and plain heads) against split views of the same output with the torch
+expression, its gradient bitwise, parts without a gradient included. Then the module path: NSAAttention.project and
+the dense benchmark layer run the kernels where dispatch says so, with the same q, k, v and gradients as the torch
+expression.
 
 Without CUDA the kernel runs in Triton's interpreter on fp32 and fp16; bf16 needs the GPU (the interpreter
 truncates fp32 -> bf16 where the GPU and torch round to nearest even). With CUDA every case runs compiled
@@ -11,12 +13,14 @@ truncates fp32 -> bf16 where the GPU and torch round to nearest even). With CUDA
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import optimized.kernels.rope as rope_module
 from optimized import dispatch
-from optimized.kernels.rope import apply_rope_kernel
+from optimized.kernels.rope import apply_rope_kernel, project_heads
 from optimized.module import NSAAttention, rotate
 from reference.config import NSAConfig
 from reference.module import apply_rope
@@ -96,8 +100,9 @@ def test_rope_dispatch() -> None:
 
 
 def test_module_projection_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NSAAttention.project with range_backend="triton" rotates with the kernel (one call for q and the three
-    branch keys), and gives q, k and their gradients bitwise as with range_backend="torch"."""
+    """NSAAttention.project with range_backend="triton" takes the projection apart with project_heads (one call:
+    q and the three branch keys rotated, the three values), and gives q, k, v and the input's gradient bitwise as
+    with range_backend="torch", whether every part reaches the loss or only some do."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_sel=2, n_init=1, n_local=1, window=8, n_heads=4,
                     n_kv_heads=2, head_dim_qk=8, head_dim_v=6, phi="avg")
     torch.manual_seed(0)
@@ -105,16 +110,107 @@ def test_module_projection_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     layers["triton"].load_state_dict(layers["torch"].state_dict())
     x = torch.randn(2, 11, 16, device=DEVICE)
     calls = []
-    real = rope_module.apply_rope_kernel
-    monkeypatch.setattr(rope_module, "apply_rope_kernel", lambda *a: calls.append(a[0].shape) or real(*a))
-    grads = {}
-    for backend, layer in layers.items():
+    real = rope_module.project_heads
+    monkeypatch.setattr(rope_module, "project_heads", lambda *a: calls.append(a[0].shape) or real(*a))
+
+    def all_parts(q, kv):
+        return (q.sum() + 2 * kv.cmp.k.sum() + 3 * kv.slc.k.sum() + 4 * kv.win.k.sum() + (5 * kv.cmp.v).square().sum()
+                + 6 * kv.slc.v.sum() + 7 * kv.win.v.sum())
+
+    def some_parts(q, kv):  # the others get no gradient at all
+        return (q * q).sum() + 3 * kv.slc.k.sum() + kv.win.v.sum()
+
+    for loss in (all_parts, some_parts):
+        grads = {}
+        for backend, layer in layers.items():
+            leaf = x.clone().requires_grad_(True)
+            q, kv, _ = layer.project(leaf, position_offset=5)
+            loss(q, kv).backward()
+            outs = [q] + [t for b in (kv.cmp, kv.slc, kv.win) for t in (b.k, b.v)]
+            grads[backend] = [t.detach() for t in outs] + [leaf.grad, layer.q_proj.weight.grad,
+                                                          layer.k_cmp_proj.weight.grad, layer.v_win_proj.weight.grad]
+            layer.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(grads["torch"], grads["triton"]))
+    assert calls == [(2, 11, (4 + 3 * 2) * 8 + 3 * 2 * 6)] * 2, calls
+
+
+class NaNEmpty:
+    """torch, with torch.empty's memory filled with NaN (a fresh allocation may hold anything)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+
+def test_dense_benchmark_projection_runs_project_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """perf.train_model.DenseAttention.project on project_heads (forced here; on CUDA dispatch picks it) gives q, k,
+    v and the projection's gradients bitwise as with the torch expression."""
+    from perf import train_model
+
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_sel=2, n_init=1, n_local=1, window=8, n_heads=4,
+                    n_kv_heads=2, head_dim_qk=8, head_dim_v=6, phi="avg")
+    torch.manual_seed(1)
+    dense = train_model.DenseAttention(SimpleNamespace(inner=NSAAttention(16, cfg).to(DEVICE)))
+    x = torch.randn(2, 7, 16, device=DEVICE)
+    results = {}
+    for forced in (False, True):
+        monkeypatch.setattr(train_model, "rope_on_kernels", lambda device, dtype, forced=forced: forced)
         leaf = x.clone().requires_grad_(True)
-        q, kv, _ = layer.project(leaf, position_offset=5)
-        (q.sum() + 2 * kv.cmp.k.sum() + 3 * kv.slc.k.sum() + 4 * kv.win.k.sum()).backward()
-        grads[backend] = (q.detach(), kv.cmp.k.detach(), kv.slc.k.detach(), kv.win.k.detach(), leaf.grad)
-    assert calls == [(2, 11, 4 + 3 * 2, 8)], calls
-    assert all(torch.equal(a, b) for a, b in zip(grads["torch"], grads["triton"]))
+        q, k, v = dense.project(leaf, position_offset=3)
+        ((q * q).sum() + 2 * k.sum() + (v * 3).square().sum()).backward()
+        results[forced] = [q.detach(), k.detach(), v.detach(), leaf.grad, dense.q_proj.weight.grad.clone(),
+                           dense.v_proj.weight.grad.clone()]
+        dense.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_project_heads_equals_split_views_with_the_torch_expression(dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """project_heads against what it replaces: RoPE (the torch expression) on the rotated columns viewed as heads,
+    split into the parts, and the plain columns copied and split; outputs and y's gradient bitwise, with a part
+    that reaches no loss (its columns of the gradient are 0) and columns past the parts (0 too)."""
+    B, T, dk, dv, extra = 2, 9, 8, 6, 5
+    rotated, plain = (3, 1, 2), (1, 2)
+    n_rot, n_plain = sum(rotated) * dk, sum(plain) * dv
+    y = draw((B, T, n_rot + n_plain + extra), dtype, seed=11)
+    positions = torch.arange(4, 4 + T, device=DEVICE)
+    weights = [draw((B, T, h, dk), dtype, seed=20 + i) for i, h in enumerate(rotated)]
+    weights += [draw((B, T, h, dv), dtype, seed=30 + i) for i, h in enumerate(plain)]
+    unused = 1  # the second rotated part takes no part in the loss
+
+    def split_views(leaf):
+        qk = apply_rope(leaf[..., :n_rot].view(B, T, sum(rotated), dk), positions, 300.0)
+        v = leaf[..., n_rot:n_rot + n_plain].contiguous().view(B, T, sum(plain), dv)
+        return (*qk.split(list(rotated), dim=2), *v.split(list(plain), dim=2))
+
+    results = []
+    # the gradient's uninitialised memory as NaN, so that columns project_heads leaves unwritten show
+    monkeypatch.setattr(rope_module, "torch", NaNEmpty())
+    for parts_of in (split_views, lambda leaf: project_heads(leaf, positions, 300.0, rotated, dk, plain, dv)):
+        leaf = y.detach().clone().requires_grad_(True)
+        parts = parts_of(leaf)
+        sum((p.float() * w.float()).sum() for i, (p, w) in enumerate(zip(parts, weights)) if i != unused).backward()
+        results.append(([p.detach() for p in parts], leaf.grad))
+    (parts_ref, grad_ref), (parts, grad) = results
+    assert [p.shape for p in parts] == [p.shape for p in parts_ref]
+    assert all(torch.equal(a, b) for a, b in zip(parts, parts_ref))
+    assert torch.equal(grad, grad_ref), (grad.float() - grad_ref.float()).abs().max()
+    assert not grad[..., rotated[0] * dk:(rotated[0] + rotated[1]) * dk].any()
+    assert not grad[..., n_rot + n_plain:].any() and grad[..., n_rot:n_rot + n_plain].any()
+
+
+def test_project_heads_refuses_bad_layouts() -> None:
+    positions = torch.arange(4, device=DEVICE)
+    y = torch.zeros((1, 4, 20), device=DEVICE)
+    with pytest.raises(ValueError, match="need 22 columns, y has 20"):
+        project_heads(y, positions, 100.0, (2,), 8, (1,), 6)
+    with pytest.raises(ValueError, match="dk even"):
+        project_heads(y, positions, 100.0, (2,), 5, (1,), 6)
+    with pytest.raises(ValueError, match=r"positions must be \[T\] = \[4\]"):
+        project_heads(y, positions[:2], 100.0, (2,), 4, (1,), 6)
 
 
 def test_rotate_takes_the_torch_expression_off_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
