@@ -58,7 +58,8 @@ class NSAAttention(ReferenceNSAAttention):
         matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
         computed once). On the kernel path (dispatch.rope_on_kernels) kernels.rope.project_heads takes the
         matmul's output apart, one Triton launch forward, and backward writes the parts' gradients straight into
-        the matmul's output gradient (no concatenations of them). Under autocast x is cast once,
+        the matmul's output gradient (no concatenations of them); RoPE's tables of a contiguous run of positions
+        are built once and kept (kernels.rope.contiguous_rope_tables). Under autocast x is cast once,
         for that matmul and the gate MLP, so backward keeps one low-precision copy of x instead of one per matmul,
         and the gate MLP's hidden activations are recomputed in backward (gates). q and k are views of RoPE's output; v
         is copied out of the matmul's output, so what backward keeps of it is v alone (the pre-RoPE q and k are
@@ -67,18 +68,22 @@ class NSAAttention(ReferenceNSAAttention):
         B, T, _ = x.shape
         cfg = self.cfg
         Hq, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
-        positions = token_positions(T, position_offset, cu_seqlens, B, x.device)
         x = cast_once_for_autocast(x)
         weight = torch.cat([self.q_proj.weight, *(getattr(self, f"k_{b}_proj").weight for b in BRANCHES),
                             *(getattr(self, f"v_{b}_proj").weight for b in BRANCHES)])
         y = F.linear(x, weight)
         rotated, plain = (Hq,) + (Hkv,) * len(BRANCHES), (Hkv,) * len(BRANCHES)
         if rope_on_kernels(y.device, y.dtype, self.range_backend):
-            from .kernels.rope import project_heads
+            from .kernels.rope import contiguous_rope_tables, project_heads, rope_tables
 
-            q, *ks_vs = project_heads(y, positions, self.rope_base, rotated, dk, plain, dv)
+            tables = (contiguous_rope_tables(T, position_offset, dk, self.rope_base, y.dtype, y.device)
+                      if cu_seqlens is None else
+                      rope_tables(token_positions(T, position_offset, cu_seqlens, B, x.device), dk, self.rope_base,
+                                  y.dtype))
+            q, *ks_vs = project_heads(y, tables, rotated, dk, plain, dv)
             ks, vs = ks_vs[:len(BRANCHES)], ks_vs[len(BRANCHES):]
         else:
+            positions = token_positions(T, position_offset, cu_seqlens, B, x.device)
             n_qk = sum(rotated) * dk
             # torch.split rather than slices: backward concatenates the parts' gradients into one tensor, where
             # each slice would zero-fill a gradient of the whole tensor and the parts would then be added.

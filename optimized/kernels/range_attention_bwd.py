@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..numerics import LOG2E
 from .common import (RangeTiling, compensated_add, dot_settings, head_packed_grid, head_packed_rows, key_tile_span,
@@ -238,6 +239,26 @@ def reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tuple[Ten
     return first, last
 
 
+_READING_ROWS = WeakTensorKeyDictionary()  # lo -> {(id(hi), versions, n_keys, block_n): (first, last, hi)}
+
+
+def cached_reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tuple[Tensor, Tensor]:
+    """reading_rows, kept for as long as the tensor lo lives and neither lo nor hi changes: a model's layers pass the
+    same cached ranges (range_attention.sequence_ranges) to every backward, whose dk/dv launch then spends no
+    launch on the search (about ten small kernels per launch). Not stored while a CUDA graph is being captured
+    (a tensor made there holds its values only once the graph replays)."""
+    key = (id(hi), lo._version, hi._version, n_keys, block_n)  # the entry keeps hi alive: its id stays its own
+    entries = _READING_ROWS.get(lo)
+    if entries is not None and key in entries:
+        return entries[key][:2]
+    first, last = reading_rows(lo, hi, n_keys, block_n)
+    if not (lo.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if entries is None:
+            entries = _READING_ROWS.setdefault(lo, {})
+        entries[key] = (first, last, hi)
+    return first, last
+
+
 DKDV_PROGRAMS = 1024  # the dk/dv launch splits rows until it has about this many programs (132 SMs x ~8)
 SHORT_RUN_DKDV_PROGRAMS = 512  # ... or this many where every key tile is read by a short run of rows (the window)
 MAX_DKDV_SPLIT = 32
@@ -423,7 +444,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     common, strides = _launch_arguments(q, k, v, do, lse2)
 
     def launch_dkdv(t: RangeTiling) -> tuple[Tensor, Tensor]:
-        q_first, q_last = reading_rows(lo, hi, TK, t.block_n)
+        q_first, q_last = cached_reading_rows(lo, hi, TK, t.block_n)
         n_tiles = triton.cdiv(TK, t.block_n)
         heads = packed_heads(t, Hq // Hkv)  # the group's heads a step takes
         rows = t.block_m // heads  # query rows per step

@@ -25,6 +25,8 @@ split views concatenates the parts' gradients two or three times over (a pass ov
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import triton
 import triton.language as tl
@@ -143,25 +145,53 @@ class _ProjectHeads(torch.autograd.Function):
         return dy, None, None, None, None, None, None
 
 
-def project_heads(y: Tensor, positions: Tensor, base: float, rotated: tuple[int, ...], dk: int,
+def project_heads(y: Tensor, tables: tuple[Tensor, Tensor], rotated: tuple[int, ...], dk: int,
                   plain: tuple[int, ...], dv: int) -> tuple[Tensor, ...]:
     """The heads of a fused projection's output y [B, T, N] of fp32, bf16 or fp16: the first sum(rotated) * dk
-    columns as heads of dk rotated by RoPE at positions [T] (apply_rope_kernel), split into parts of `rotated`
-    heads each; the next sum(plain) * dv columns as heads of dv, copied, split into parts of `plain` heads.
-    Returns the rotated parts, then the plain parts (views of one tensor each). Values and gradients are bitwise
-    those of apply_rope_kernel on y's view and of split views; backward writes each part's gradient into its
-    columns of y's gradient (module docstring)."""
+    columns as heads of dk rotated by RoPE with tables = (cos, sin) [T, dk / 2] (rope_tables), split into parts
+    of `rotated` heads each; the next sum(plain) * dv columns as heads of dv, copied, split into parts of `plain`
+    heads. Returns the rotated parts, then the plain parts (views of one tensor each). Values and gradients are
+    bitwise those of apply_rope_kernel on y's view and of split views; backward writes each part's gradient into
+    its columns of y's gradient (module docstring)."""
     if y.dim() != 3 or y.dtype not in KERNEL_DTYPES or dk % 2:
         raise ValueError(f"project_heads: y must be a [B, T, N] tensor of {KERNEL_DTYPES} and dk even, got "
                          f"{y.dtype} {tuple(y.shape)}, dk={dk}")
     if sum(rotated) * dk + sum(plain) * dv > y.shape[-1]:
         raise ValueError(f"project_heads: {sum(rotated)} heads of {dk} and {sum(plain)} of {dv} need "
                          f"{sum(rotated) * dk + sum(plain) * dv} columns, y has {y.shape[-1]}")
-    if positions.shape != y.shape[1:2]:
-        raise ValueError(f"project_heads: positions must be [T] = [{y.shape[1]}], got {tuple(positions.shape)}")
+    cos, sin = tables
+    if any(t.shape != (y.shape[1], dk // 2) or t.dtype != y.dtype or not t.is_contiguous() for t in tables):
+        raise ValueError(f"project_heads: tables must be contiguous [T, dk / 2] = [{y.shape[1]}, {dk // 2}] "
+                         f"tensors of y's dtype {y.dtype}, got {[(t.dtype, tuple(t.shape)) for t in tables]}")
     if y.stride(-1) != 1:
         y = y.contiguous()
-    cos, sin = rope_angles(positions, dk, base)
-    return _ProjectHeads.apply(y, cos.to(y.dtype).contiguous(), sin.to(y.dtype).contiguous(), tuple(rotated), dk,
-                               tuple(plain), dv)
+    return _ProjectHeads.apply(y, cos, sin, tuple(rotated), dk, tuple(plain), dv)
 
+
+def rope_tables(positions: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(cos, sin) [T, dim / 2] of reference.module.rope_angles at positions [T], rounded to dtype, contiguous: the
+    tables the kernels take."""
+    cos, sin = rope_angles(positions, dim, base)
+    return cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
+
+
+_TABLES: collections.OrderedDict = collections.OrderedDict()
+_MAX_TABLES = 32
+
+
+def contiguous_rope_tables(n: int, first: int, dim: int, base: float, dtype: torch.dtype,
+                           device: torch.device) -> tuple[Tensor, Tensor]:
+    """rope_tables at positions first .. first + n - 1, built once per (n, first, dim, base, dtype, device) and
+    kept (the last _MAX_TABLES): every layer of a model asks for the same ones, about ten small launches each
+    time. Not stored while a CUDA graph is being captured (a tensor made there holds its values only once the
+    graph replays); one stored before the capture is used as it is."""
+    key = (n, first, dim, base, dtype, device)
+    if key in _TABLES:
+        _TABLES.move_to_end(key)
+        return _TABLES[key]
+    tables = rope_tables(torch.arange(first, first + n, device=device), dim, base, dtype)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _TABLES[key] = tables
+        while len(_TABLES) > _MAX_TABLES:
+            _TABLES.popitem(last=False)
+    return tables

@@ -123,6 +123,36 @@ def test_reading_rows_are_the_rows_that_can_read_each_key_tile() -> None:
         assert all(hi[t] >= k0 and lo[t] <= k1 for t in rows)
 
 
+def test_cached_reading_rows_are_reused_only_for_the_same_unchanged_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dk/dv launch's reading rows are searched once per (lo, hi) pair of tensors: a second backward over the
+    same ranges reuses them; another hi, another tile size, or an in-place change of lo or hi searches again, and
+    each answer is reading_rows' own."""
+    import optimized.kernels.range_attention_bwd as bwd
+
+    searches = []
+    monkeypatch.setattr(bwd, "reading_rows", lambda *a: searches.append(a[2:]) or reading_rows(*a))
+    lo, hi, n_keys = ranges_of("compressed", 50)
+    lo, hi = lo.to(torch.int32), hi.to(torch.int32)
+
+    def check(lo, hi, block_n, searched):
+        before = len(searches)
+        first, last = bwd.cached_reading_rows(lo, hi, n_keys, block_n)
+        expected = reading_rows(lo, hi, n_keys, block_n)
+        assert torch.equal(first, expected[0]) and torch.equal(last, expected[1])
+        assert len(searches) - before == searched
+
+    check(lo, hi, 4, 1)
+    check(lo, hi, 4, 0)  # the same tensors, unchanged
+    check(lo, hi, 8, 1)  # another tile size
+    other_hi = hi.clone()
+    check(lo, other_hi, 4, 1)  # equal values, another tensor
+    hi[:10] = -1  # the first rows read nothing now (hi stays non-decreasing)
+    check(lo, hi, 4, 1)  # hi changed in place
+    lo.add_(0)
+    check(lo, hi, 4, 1)  # lo's version moved
+    check(lo, hi, 4, 0)
+
+
 # The kernels against the dense oracle ------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)], ids=["group3", "group1", "group3-one-kv-head"])

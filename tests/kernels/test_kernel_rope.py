@@ -20,7 +20,7 @@ import torch
 
 import optimized.kernels.rope as rope_module
 from optimized import dispatch
-from optimized.kernels.rope import apply_rope_kernel, project_heads
+from optimized.kernels.rope import apply_rope_kernel, contiguous_rope_tables, project_heads, rope_tables
 from optimized.module import NSAAttention, rotate
 from reference.config import NSAConfig
 from reference.module import apply_rope
@@ -189,7 +189,8 @@ def test_project_heads_equals_split_views_with_the_torch_expression(dtype, monke
     results = []
     # the gradient's uninitialised memory as NaN, so that columns project_heads leaves unwritten show
     monkeypatch.setattr(rope_module, "torch", NaNEmpty())
-    for parts_of in (split_views, lambda leaf: project_heads(leaf, positions, 300.0, rotated, dk, plain, dv)):
+    tables = rope_tables(positions, dk, 300.0, dtype)
+    for parts_of in (split_views, lambda leaf: project_heads(leaf, tables, rotated, dk, plain, dv)):
         leaf = y.detach().clone().requires_grad_(True)
         parts = parts_of(leaf)
         sum((p.float() * w.float()).sum() for i, (p, w) in enumerate(zip(parts, weights)) if i != unused).backward()
@@ -206,11 +207,29 @@ def test_project_heads_refuses_bad_layouts() -> None:
     positions = torch.arange(4, device=DEVICE)
     y = torch.zeros((1, 4, 20), device=DEVICE)
     with pytest.raises(ValueError, match="need 22 columns, y has 20"):
-        project_heads(y, positions, 100.0, (2,), 8, (1,), 6)
+        project_heads(y, rope_tables(positions, 8, 100.0, y.dtype), (2,), 8, (1,), 6)
     with pytest.raises(ValueError, match="dk even"):
-        project_heads(y, positions, 100.0, (2,), 5, (1,), 6)
-    with pytest.raises(ValueError, match=r"positions must be \[T\] = \[4\]"):
-        project_heads(y, positions[:2], 100.0, (2,), 4, (1,), 6)
+        project_heads(y, rope_tables(positions, 6, 100.0, y.dtype), (2,), 5, (1,), 6)
+    with pytest.raises(ValueError, match=r"tables must be contiguous \[T, dk / 2\] = \[4, 2\]"):
+        project_heads(y, rope_tables(positions[:2], 4, 100.0, y.dtype), (2,), 4, (1,), 6)
+    with pytest.raises(ValueError, match="of y's dtype"):
+        project_heads(y, rope_tables(positions, 4, 100.0, torch.float16), (2,), 4, (1,), 6)
+
+
+def test_contiguous_rope_tables_are_built_once_per_run_of_positions() -> None:
+    """The tables of positions first .. first + n - 1 are rope_tables' own (bitwise), the same tensors when asked
+    again, and their own for another length, start, width, base or dtype."""
+    device = torch.device(DEVICE)
+    tables = contiguous_rope_tables(9, 5, 8, 100.0, torch.float32, device)
+    expected = rope_tables(torch.arange(5, 14, device=DEVICE), 8, 100.0, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(tables, expected))
+    assert contiguous_rope_tables(9, 5, 8, 100.0, torch.float32, device) is tables
+    for other in ((10, 5, 8, 100.0, torch.float32), (9, 6, 8, 100.0, torch.float32), (9, 5, 6, 100.0, torch.float32),
+                  (9, 5, 8, 50.0, torch.float32), (9, 5, 8, 100.0, torch.float16)):
+        n, first, dim, base, dtype = other
+        got = contiguous_rope_tables(n, first, dim, base, dtype, device)
+        want = rope_tables(torch.arange(first, first + n, device=DEVICE), dim, base, dtype)
+        assert got is not tables and all(torch.equal(a, b) for a, b in zip(got, want)), other
 
 
 def test_rotate_takes_the_torch_expression_off_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -580,3 +580,29 @@ def test_packed_bad_doc_start_raises_value_error(starts, match: str) -> None:
     idx = torch.zeros(1, 8, 1, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=match):
         triton_selected_attention(q, k, v, idx, 4, doc_start=starts.to(DEVICE))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2], ids=["int64", "int32", "int64-b"])
+@pytest.mark.parametrize("name", ["group3-dk12-dv8", "decode-chunk", "sel-block-24"])
+def test_admitted_reads_count_the_keys_each_selected_block_admits(name: str, seed: int) -> None:
+    """admitted_reads (one kernel launch) against a loop over the slots: block j >= 0 admits its keys <= p, none
+    past the row, -1 slots nothing; indices of either dtype, as a non-contiguous view, and document-relative
+    positions that restart (a packed batch)."""
+    from optimized.kernels.selected_attention import admitted_reads
+
+    case = CASES[name]
+    idx = perturbed_indices(case, seed)
+    wide = torch.zeros(idx.shape[:3] + (idx.shape[3] + 2,), dtype=idx.dtype)  # block 0 beside each row
+    wide[..., 1:-1] = idx
+    idx = wide[..., 1:-1]  # a view with a slot stride past its width
+    relative = torch.arange(case.tk - case.tq, case.tk)
+    if seed == 2:
+        relative = relative % 11  # documents of 11 tokens
+    reads = admitted_reads(idx.to(DEVICE), relative.to(DEVICE), case.sel_block).cpu()
+    expected = torch.zeros(idx.shape[:3], dtype=torch.int64)
+    for b, t, g, s in torch.cartesian_prod(*(torch.arange(n) for n in idx.shape)).tolist():
+        j, p = int(idx[b, t, g, s]), int(relative[t])
+        if j >= 0:
+            expected[b, t, g] += len([key for key in range(j * case.sel_block, (j + 1) * case.sel_block) if key <= p])
+    assert reads.dtype == torch.int64 and torch.equal(reads, expected), (reads - expected).abs().max()
+    assert expected.sum() > 0 and (expected == 0).any()
