@@ -267,7 +267,7 @@ def test_group_scores_equal_the_torch_scores(switch, packed: bool) -> None:
     x = make_inputs(cfg, T, B=1 if packed else 2, seed=4, dtype=torch.float32, device=DEVICE)
     cu = torch.tensor([0, 5, 30, 30, T], dtype=torch.int32, device=DEVICE) if packed else None
     k_cmp, _ = O.compress(x.kv.cmp.k, x.kv.cmp.v, cfg, x.phi, cu_seqlens=cu)
-    torch_scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu)
+    torch_scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="torch")
     kernel_scores = O.selection_scores(x.q, k_cmp, cfg, cu_seqlens=cu, range_backend="triton")
     exact = O.selection_scores(x.q.double(), k_cmp.double(), cfg, cu_seqlens=cu)
     finite = torch.isfinite(exact)
@@ -318,7 +318,7 @@ def test_layer_on_the_range_kernels_packed_equals_documents_alone() -> None:
 
 
 def test_range_backend_argument_is_validated() -> None:
-    x = make_inputs(CFG, 8, dtype=torch.float64)
+    x = make_inputs(CFG, 8, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="range_backend must be one of"):
         O.nsa_forward(x.q, x.kv, x.gates, CFG, range_backend="cuda")
     with pytest.raises(ValueError, match="fp32/bf16/fp16"):
