@@ -291,14 +291,15 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # is still the fastest measured (the no-spill 16 x 64 one took 8% longer; RANGE_MEASURED_STACK). A group that pads
 # to fewer heads keeps one head per program with the same tile sizes. At d = 64 (prod-125m's group of 6, padded to
 # 8: a quarter of each tile is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that
-# width keeps one head.
+# width keeps one head. At that width the forward and dq take three stages (prod-125m's window and compressed
+# ranges at 16k x 1 and 2k x 8: forward -3 to -4%, dq -4 to -9% against two; perf/NOTES.md).
 # "lse": the forward kernel's lse-only pass (the selection's normaliser where the compressed branch did not run)
 # keeps the forward's earlier tiles: with the head-packed tile, the 64k select stage (`python -m perf run`), which
 # runs that pass, took 2 ms longer.
 _RANGE_TABLE = {
-    "forward": ((128, (128, 64, 8, 2)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
+    "forward": ((128, (128, 64, 8, 3)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
     "lse": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
-    "dq": ((128, (64, 32, 4, 2)), (256, (128, 64, 8, 2, 16)), (384, (32, 32, 8, 2)), (512, (32, 32, 8, 2))),
+    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (32, 32, 8, 2)), (512, (32, 32, 8, 2))),
     "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (64, 32, 8, 2)), (512, (32, 16, 8, 2))),
     "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (64, 32, 8, 2))),
 }
