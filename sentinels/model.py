@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from optimized.device_tables import DeviceTables
 from reference.config import NSAConfig
 from reference.contract import KV, BRANCHES, BranchKV, NSAOutput
 from reference.packing import check_cu_seqlens
@@ -229,6 +230,22 @@ def _document_block_offsets(cu_seqlens: Tensor, sel_block: int) -> tuple[Tensor,
     return before[doc_of], int(blocks.sum())
 
 
+HIT_MAP_ROWS = 1024  # query rows per slice of the statistics' block map (fewer stores to one byte per slice)
+_HIT_OFFSETS = DeviceTables()
+
+
+def _hit_offsets(B: int, T: int, Hkv: int, n_blocks: int, device: torch.device) -> Tensor:
+    """[B, T, Hkv, 1] int64: where the blocks of row (b, t, g) start in the statistics' hit map, a map of
+    [B * Hkv, ceil(T / HIT_MAP_ROWS), n_blocks + 1] bytes (slot 0 of each slice: no block, -1); built once per
+    shape and kept (optimized.device_tables)."""
+    def build() -> Tensor:
+        slices = -(-T // HIT_MAP_ROWS)
+        bg = torch.arange(B * Hkv, device=device).view(B, 1, Hkv, 1)
+        t = torch.arange(T, device=device).view(1, T, 1, 1) // HIT_MAP_ROWS
+        return (bg * slices + t) * (n_blocks + 1) + 1
+    return _HIT_OFFSETS.kept((B, T, Hkv, n_blocks, device), device, build)
+
+
 @torch.no_grad()
 def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
                  block_offsets: tuple[Tensor, int] | None = None) -> LayerStats:
@@ -240,14 +257,16 @@ def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
         offsets, n_blocks = block_offsets
         idx = torch.where(idx >= 0, idx + offsets[None, :, None, None], idx)
         n_blocks = max(1, n_blocks)
-    # block j of (sequence b, KV group g) is bit (b * Hkv + g) * n_blocks + j of a map of every block; -1 (no
-    # block) goes to the spare last bit. Built in place of idx's layout: no transposed copy of the indices.
-    row_of = torch.arange(B * Hkv, device=idx.device).view(B, 1, Hkv, 1) * n_blocks
-    flat = torch.where(idx >= 0, idx + row_of, B * Hkv * n_blocks).reshape(-1)
-    # which blocks were hit, by a scatter of ones (not a count: a scatter-add serialises on block 0, which every
-    # query selects; torch.bincount reads its input's maximum back to the host on CUDA, a sync per layer)
-    hit = torch.zeros(B * Hkv * n_blocks + 1, dtype=torch.uint8, device=flat.device).scatter_(0, flat, 1)
-    distinct = hit[:-1].sum(dtype=torch.float32) / (B * Hkv)  # the mean over (b, g) of its distinct blocks
+    # Which blocks were hit, by a scatter of ones into a byte map (not a count: a scatter-add serialises on block 0,
+    # which every query selects; torch.bincount reads its input's maximum back to the host on CUDA, a sync per
+    # layer). Row (b, t, g)'s block j >= 0 is byte j + 1 of slice t // HIT_MAP_ROWS of (b, g), -1 byte 0: the map
+    # is sliced along the rows because every row of (b, g) storing to one byte of it made that scatter take ~40 us
+    # at 16k rows. Built in place of idx's layout: no transposed copy of the indices.
+    slices = -(-T // HIT_MAP_ROWS)
+    flat = (idx + _hit_offsets(B, T, Hkv, n_blocks, idx.device)).reshape(-1)
+    hit = torch.zeros(B * Hkv * slices * (n_blocks + 1), dtype=torch.uint8, device=flat.device).scatter_(0, flat, 1)
+    # a block is hit where any slice of (b, g) hit it; the mean over (b, g) of its distinct blocks
+    distinct = hit.view(B * Hkv, slices, n_blocks + 1)[:, :, 1:].amax(1).sum(dtype=torch.float32) / (B * Hkv)
     reads = torch.stack([getattr(out.reads, b).detach().sum() for b in BRANCHES])
     return LayerStats(gate_mean=g.mean(0, dtype=torch.float32), gate_max=g.amax(0).float(), distinct_blocks=distinct,
                       reads=reads)

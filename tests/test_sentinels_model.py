@@ -95,6 +95,35 @@ def test_layer_stats_are_the_implementations_counted_reads():
     assert float(stats[0].distinct_blocks) == pytest.approx(distinct / 2)
 
 
+@pytest.mark.parametrize("rows_per_slice", [1024, 7, 1], ids=["one-slice", "slices-of-7", "slices-of-1"])
+def test_layer_stats_count_the_distinct_selected_blocks(rows_per_slice: int, monkeypatch: pytest.MonkeyPatch):
+    """distinct_blocks is the mean over (sequence, KV group) of the distinct block ids its rows selected, whatever
+    the number of row slices the hit map is cut into (a block seen in one slice only still counts once, a block in
+    every slice counts once); -1 slots count nothing."""
+    import sentinels.model as model_module
+    from reference.config import NSAConfig
+    from reference.contract import NSAOutput, Reads
+
+    monkeypatch.setattr(model_module, "HIT_MAP_ROWS", rows_per_slice)
+    model_module._HIT_OFFSETS.clear()
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_sel=3, n_init=1, n_local=1, window=8, n_heads=4,
+                    n_kv_heads=2, head_dim_qk=8, head_dim_v=8)
+    B, T, Hkv, n = 2, 45, 2, 3
+    g = torch.Generator().manual_seed(rows_per_slice)
+    n_blocks = -(-T // cfg.sel_block)
+    idx = torch.randint(0, n_blocks, (B, T, Hkv, n), generator=g)
+    idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+    idx[1, :, 1] = -1  # one (sequence, group) selected nothing
+    idx[0, T - 1, 0, 0] = n_blocks - 1  # a block only the last row selects
+    zeros = torch.zeros(B, T, Hkv, dtype=torch.int64)
+    out = NSAOutput(o=torch.zeros(B, T, 4, 8), indices=idx, o_cmp=None, o_slc=None, o_win=None,
+                    reads=Reads(cmp=zeros, slc=zeros + 2, win=zeros + 1))
+    stats = model_module._layer_stats(torch.rand(B, T, 4, 3, generator=g), out, cfg, T)
+    expected = sum(len({int(j) for j in idx[b, :, h].flatten() if j >= 0}) for b in range(B) for h in range(Hkv))
+    assert float(stats.distinct_blocks) == pytest.approx(expected / (B * Hkv))
+    assert stats.reads.tolist() == [0, 2 * B * T * Hkv, B * T * Hkv]
+
+
 def test_optimized_and_reference_models_agree():
     cfg, opt = _model()
     ref_cfg, ref = _model("model.attention=reference")

@@ -25,8 +25,6 @@ split views concatenates the parts' gradients two or three times over (a pass ov
 
 from __future__ import annotations
 
-import collections
-
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +32,7 @@ from torch import Tensor
 
 from reference.module import rope_angles
 
+from ..device_tables import DeviceTables
 from ..dispatch import KERNEL_DTYPES
 from .common import row_pass_shape
 
@@ -175,23 +174,13 @@ def rope_tables(positions: Tensor, dim: int, base: float, dtype: torch.dtype) ->
     return cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
 
 
-_TABLES: collections.OrderedDict = collections.OrderedDict()
-_MAX_TABLES = 32
+_TABLES = DeviceTables()
 
 
 def contiguous_rope_tables(n: int, first: int, dim: int, base: float, dtype: torch.dtype,
                            device: torch.device) -> tuple[Tensor, Tensor]:
     """rope_tables at positions first .. first + n - 1, built once per (n, first, dim, base, dtype, device) and
-    kept (the last _MAX_TABLES): every layer of a model asks for the same ones, about ten small launches each
-    time. Not stored while a CUDA graph is being captured (a tensor made there holds its values only once the
-    graph replays); one stored before the capture is used as it is."""
-    key = (n, first, dim, base, dtype, device)
-    if key in _TABLES:
-        _TABLES.move_to_end(key)
-        return _TABLES[key]
-    tables = rope_tables(torch.arange(first, first + n, device=device), dim, base, dtype)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _TABLES[key] = tables
-        while len(_TABLES) > _MAX_TABLES:
-            _TABLES.popitem(last=False)
-    return tables
+    kept (optimized.device_tables): every layer of a model asks for the same ones, about ten small launches each
+    time."""
+    return _TABLES.kept((n, first, dim, base, dtype, device), device,
+                        lambda: rope_tables(torch.arange(first, first + n, device=device), dim, base, dtype))

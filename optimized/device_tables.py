@@ -1,0 +1,35 @@
+"""Small device tensors built once and kept, for tables every layer of a model asks for again (RoPE's angles, the
+per-layer statistics' offsets): a keyed store of the last few, that never keeps a tensor made while a CUDA graph is
+being captured (such a tensor holds its values only once the graph replays; one kept from before the capture is
+used as it is)."""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Hashable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class DeviceTables:
+    """kept(key, device, build): the value stored under key, else build() (stored unless capturing on device)."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self._store: collections.OrderedDict = collections.OrderedDict()
+
+    def kept(self, key: Hashable, device: torch.device, build: Callable[[], T]) -> T:
+        if key in self._store:
+            self._store.move_to_end(key)
+            return self._store[key]
+        value = build()
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self._store[key] = value
+            while len(self._store) > self.size:
+                self._store.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._store.clear()
