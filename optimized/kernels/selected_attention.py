@@ -296,10 +296,10 @@ def _validated_full_rows(full_rows, q: Tensor, doc_start: Tensor | None) -> tupl
 
 
 @triton.jit
-def _admitted_reads_kernel(IDX, REL, OUT, n_rows, T, n_kv_heads, n_sel,
+def _admitted_reads_kernel(IDX, REL, READS, n_rows, T, n_kv_heads, n_sel,
                            stride_ib, stride_it, stride_ih, stride_in,
                            SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
-    """OUT[(b, t, g)] = sum over the slots s of IDX[b, t, g, s] = j >= 0 of clamp(REL[t] - j * SEL_BLOCK + 1, 0,
+    """READS[(b, t, g)] = sum over the slots s of IDX[b, t, g, s] = j >= 0 of clamp(REL[t] - j * SEL_BLOCK + 1, 0,
     SEL_BLOCK), in int64, for ROWS (b, t, g) rows (admitted_reads)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     slots = tl.arange(0, BLOCK_S)
@@ -312,7 +312,7 @@ def _admitted_reads_kernel(IDX, REL, OUT, n_rows, T, n_kv_heads, n_sel,
                      mask=mask, other=-1).to(tl.int64)
     p = tl.load(REL + t, mask=row_ok, other=0).to(tl.int64)
     admitted = tl.minimum(tl.maximum(p[:, None] - blocks * SEL_BLOCK + 1, 0), SEL_BLOCK)
-    tl.store(OUT + rows, tl.sum(tl.where(blocks >= 0, admitted, 0), 1), mask=row_ok)
+    tl.store(READS + rows, tl.sum(tl.where(blocks >= 0, admitted, 0), 1), mask=row_ok)
 
 
 def admitted_reads(indices: Tensor, relative: Tensor, sel_block: int) -> Tensor:
