@@ -1,7 +1,8 @@
 """Small device tensors built once and kept, for tables every layer of a model asks for again (RoPE's angles, the
 per-layer statistics' offsets): a keyed store of the last few, that never keeps a tensor made while a CUDA graph is
 being captured (such a tensor holds its values only once the graph replays; one kept from before the capture is
-used as it is)."""
+used as it is). Values are built outside inference mode, so a table first asked for under torch.inference_mode can
+still be saved for backward by a later training step."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class DeviceTables:
         if key in self._store:
             self._store.move_to_end(key)
             return self._store[key]
-        value = build()
+        with torch.inference_mode(False):  # a table made under inference_mode could not be saved for backward later
+            value = build()
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self._store[key] = value
             while len(self._store) > self.size:

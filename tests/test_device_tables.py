@@ -1,5 +1,6 @@
 """optimized.device_tables.DeviceTables: a value is built once per key and kept (the same object back), the
-store keeps only its last `size` keys, and a value built while a CUDA graph is being captured is not kept."""
+store keeps only its last `size` keys, a value first asked for under inference mode is an ordinary tensor (a later
+training step can save it for backward), and a value built while a CUDA graph is being captured is not kept."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def test_built_once_per_key_and_only_the_last_ones_kept() -> None:
     assert int(tables.kept("b", cpu, build(4))) == 4 and builds == [1, 2, 3, 4]
     tables.clear()
     assert int(tables.kept("a", cpu, build(5))) == 5
+
+
+def test_a_table_first_made_under_inference_mode_serves_training() -> None:
+    from optimized.kernels.rope import contiguous_rope_tables, project_heads
+
+    with torch.inference_mode():
+        tables = contiguous_rope_tables(5, 3, 4, 100.0, torch.float32, torch.device("cpu"))
+    assert not any(t.is_inference() for t in tables)
+    y = torch.randn(1, 5, 12, requires_grad=True)
+    q, v = project_heads(y, tables, (2,), 4, (1,), 4)
+    (q.sum() + v.sum()).backward()  # saving the tables for backward raises for inference tensors
+    assert y.grad is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
