@@ -8,10 +8,11 @@ Two keywords choose the backend, each "auto" (the default), "torch" or "triton":
 - range_backend: the compressed and window branches (range attention), the selection (Eq. 8-11) and Eq. 5;
 - backend: the selected branch (Eq. 12).
 "auto" runs the Triton kernels for CUDA tensors of fp32, bf16 or fp16 when Triton imports (else a warning says
-so, once), and the vectorized torch path everywhere else (CPU tensors, float64). A shape the kernels cannot take (more than MAX_KERNEL_GROUP query heads
-per KV group for Eq. 12, head dims above MAX_KERNEL_HEAD_DIM) runs on the torch path under "auto", with a warning
-naming the shape (once per shape). "triton" forces the kernels (CPU tensors only under TRITON_INTERPRET=1, Triton's
-interpreter, set before the kernels are imported) and "torch" the torch path; both are for tests and comparisons.
+so, once), and the vectorized torch path everywhere else (CPU tensors, float64). A shape the kernels cannot take
+(more than MAX_KERNEL_GROUP query heads per KV group for Eq. 12, head dims above MAX_KERNEL_HEAD_DIM) runs on the
+torch path under "auto", with a warning naming the shape (once per shape). "triton" forces the kernels (CPU
+tensors only under TRITON_INTERPRET=1, Triton's interpreter, set before the kernels are imported) and "torch" the
+torch path; both are for tests and comparisons.
 
 compute_dtype is the other decision made here: the dtype the torch path computes in, and the kernel path's Eq. 7
 and Eq. 5.

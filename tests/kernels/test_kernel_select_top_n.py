@@ -351,7 +351,10 @@ def test_the_kernel_takes_the_band_and_j_from_their_seams() -> None:
     x = make_inputs(SMALL, 80, B=2, seed=6, dtype=torch.float32, device=DEVICE)
     k_cmp = O.compress(x.kv.cmp.k, x.kv.cmp.v, SMALL)[0]
     plain = selection(x, k_cmp, SMALL)
-    shifted_current = lambda pos, cfg: torch.div(pos + cfg.sel_block // 2, cfg.sel_block, rounding_mode="floor")  # noqa: E731
+
+    def shifted_current(pos, cfg):
+        return torch.div(pos + cfg.sel_block // 2, cfg.sel_block, rounding_mode="floor")
+
     for seam, replacement in (("eq9_pool_weights", eq9_zero_based_band), ("current_sel_block", shifted_current)):
         with seam_replaced(seam, replacement):
             fused = selection(x, k_cmp, SMALL)
