@@ -25,14 +25,28 @@ def cast_once_for_autocast(x: Tensor) -> Tensor:
     return x
 
 
-def rotate(x: Tensor, positions: Tensor, base: float, range_backend: str = "auto") -> Tensor:
-    """RoPE: reference.module.apply_rope(x, positions, base), bitwise, on its Triton kernel (one launch each way)
-    where dispatch.rope_on_kernels says so, else that torch expression."""
-    if rope_on_kernels(x.device, x.dtype, range_backend):
-        from .kernels.rope import apply_rope_kernel
+def projected_heads(y: Tensor, rotated: tuple[int, ...], dk: int, plain: tuple[int, ...], dv: int, base: float,
+                    position_offset: int = 0, cu_seqlens: Tensor | None = None,
+                    range_backend: str = "auto") -> tuple[Tensor, ...]:
+    """The heads of a fused q/k/v projection's output y [B, T, N]: parts of `rotated` heads of dk with RoPE
+    (reference.module.apply_rope at the tokens' positions, bitwise), then parts of `plain` heads of dv copied out of
+    y (so backward keeps them alone, not all of y). Where dispatch.rope_on_kernels says so, kernels.rope.project_heads
+    in one Triton launch each way (the parts' gradients written straight into y's; RoPE's tables of a contiguous run
+    of positions built once and kept); else torch.split (backward concatenates the parts' gradients into one
+    tensor, where each slice would zero-fill a gradient of the whole tensor and the parts would then be added) and
+    the torch expression."""
+    B, T, _ = y.shape
+    if rope_on_kernels(y.device, y.dtype, range_backend):
+        from .kernels.rope import contiguous_rope_tables, project_heads, rope_tables
 
-        return apply_rope_kernel(x, positions, base)
-    return apply_rope(x, positions, base)
+        tables = (contiguous_rope_tables(T, position_offset, dk, base, y.dtype, y.device) if cu_seqlens is None else
+                  rope_tables(token_positions(T, position_offset, cu_seqlens, B, y.device), dk, base, y.dtype))
+        return project_heads(y, tables, rotated, dk, plain, dv)
+    positions = token_positions(T, position_offset, cu_seqlens, B, y.device)
+    y_qk, y_v = y.split([sum(rotated) * dk, sum(plain) * dv], dim=-1)
+    qk = apply_rope(y_qk.view(B, T, sum(rotated), dk), positions, base)
+    v = y_v.contiguous().view(B, T, sum(plain), dv)
+    return (*qk.split(list(rotated), dim=2), *v.split(list(plain), dim=2))
 
 
 class NSAAttention(ReferenceNSAAttention):
@@ -56,15 +70,13 @@ class NSAAttention(ReferenceNSAAttention):
                 cu_seqlens: Tensor | None = None) -> tuple[Tensor, BranchKV, Tensor]:
         """reference.NSAAttention.project with fewer kernels: q and the three branches' k and v come from one
         matmul over the concatenated weights, and RoPE rotates q and the three k in one call (its angles
-        computed once). On the kernel path (dispatch.rope_on_kernels) kernels.rope.project_heads takes the
-        matmul's output apart, one Triton launch forward, and backward writes the parts' gradients straight into
-        the matmul's output gradient (no concatenations of them); RoPE's tables of a contiguous run of positions
-        are built once and kept (kernels.rope.contiguous_rope_tables). Under autocast x is cast once,
-        for that matmul and the gate MLP, so backward keeps one low-precision copy of x instead of one per matmul,
-        and the gate MLP's hidden activations are recomputed in backward (gates). q and k are views of RoPE's output; v
-        is copied out of the matmul's output, so what backward keeps of it is v alone (the pre-RoPE q and k are
-        not kept alive through views). The same parameters and the same function; only the matmul's blocking may
-        round differently."""
+        computed once), the parts taken apart by projected_heads (on the kernel path one Triton launch forward,
+        and backward writes the parts' gradients straight into the matmul's output gradient). Under autocast x is
+        cast once, for that matmul and the gate MLP, so backward keeps one low-precision copy of x instead of one
+        per matmul, and the gate MLP's hidden activations are recomputed in backward (gates). q and k are views of
+        RoPE's output; v is copied out of the matmul's output, so what backward keeps of it is v alone (the
+        pre-RoPE q and k are not kept alive through views). The same parameters and the same function; only the
+        matmul's blocking may round differently."""
         B, T, _ = x.shape
         cfg = self.cfg
         Hq, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
@@ -72,25 +84,9 @@ class NSAAttention(ReferenceNSAAttention):
         weight = torch.cat([self.q_proj.weight, *(getattr(self, f"k_{b}_proj").weight for b in BRANCHES),
                             *(getattr(self, f"v_{b}_proj").weight for b in BRANCHES)])
         y = F.linear(x, weight)
-        rotated, plain = (Hq,) + (Hkv,) * len(BRANCHES), (Hkv,) * len(BRANCHES)
-        if rope_on_kernels(y.device, y.dtype, self.range_backend):
-            from .kernels.rope import contiguous_rope_tables, project_heads, rope_tables
-
-            tables = (contiguous_rope_tables(T, position_offset, dk, self.rope_base, y.dtype, y.device)
-                      if cu_seqlens is None else
-                      rope_tables(token_positions(T, position_offset, cu_seqlens, B, x.device), dk, self.rope_base,
-                                  y.dtype))
-            q, *ks_vs = project_heads(y, tables, rotated, dk, plain, dv)
-            ks, vs = ks_vs[:len(BRANCHES)], ks_vs[len(BRANCHES):]
-        else:
-            positions = token_positions(T, position_offset, cu_seqlens, B, x.device)
-            n_qk = sum(rotated) * dk
-            # torch.split rather than slices: backward concatenates the parts' gradients into one tensor, where
-            # each slice would zero-fill a gradient of the whole tensor and the parts would then be added.
-            y_qk, y_v = y.split([n_qk, sum(plain) * dv], dim=-1)
-            qk = apply_rope(y_qk.view(B, T, sum(rotated), dk), positions, self.rope_base)
-            q, *ks = qk.split(list(rotated), dim=2)
-            vs = y_v.contiguous().view(B, T, sum(plain), dv).split(Hkv, dim=2)
+        q, *ks_vs = projected_heads(y, (Hq,) + (Hkv,) * len(BRANCHES), dk, (Hkv,) * len(BRANCHES), dv,
+                                    self.rope_base, position_offset, cu_seqlens, self.range_backend)
+        ks, vs = ks_vs[:len(BRANCHES)], ks_vs[len(BRANCHES):]
         kv = BranchKV(**{b: KV(ks[i], vs[i]) for i, b in enumerate(BRANCHES)})
         return q, kv, self.gates(x).view(B, T, Hq, 3)
 

@@ -32,10 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from optimized.dispatch import rope_on_kernels
-from optimized.module import cast_once_for_autocast, rotate
+from optimized.module import cast_once_for_autocast, projected_heads
 from reference.config import NSAConfig
-from reference.module import token_positions
 from sentinels.config import RunConfig, load_config
 from sentinels.model import LayerStats, NSALayerAttention
 from sentinels.trainer import Trainer
@@ -140,23 +138,13 @@ class DenseAttention(nn.Module):
     def project(self, x: Tensor, position_offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, T, Hq, dk] and k [B, T, Hkv, dk] rotated, v [B, T, Hkv, dv], with the kernels NSAAttention.project
         uses for its own: one matmul over the concatenated q, k and v weights (x cast once under autocast), the parts
-        taken apart by kernels.rope.project_heads (q and k rotated in one RoPE launch, v copied out of the matmul's
-        output, the parts' gradients written into the matmul's; RoPE's tables built once) where
-        dispatch.rope_on_kernels says so, else by torch.split and the torch expression of RoPE. A dense layer with
-        three matmuls would add three input gradients in backward, work the NSA layer does not do."""
-        B, T, _ = x.shape
+        taken apart by module.projected_heads (on the kernel path q and k rotated in one RoPE launch, v copied out of
+        the matmul's output, the parts' gradients written into the matmul's). A dense layer with three matmuls would
+        add three input gradients in backward, work the NSA layer does not do."""
         Hq, Hkv, dk, dv = self.n_heads, self.n_kv_heads, self.head_dim_qk, self.head_dim_v
         x = cast_once_for_autocast(x)
         y = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-        if rope_on_kernels(y.device, y.dtype):
-            from optimized.kernels.rope import contiguous_rope_tables, project_heads
-
-            tables = contiguous_rope_tables(T, position_offset, dk, self.rope_base, y.dtype, y.device)
-            return project_heads(y, tables, (Hq, Hkv), dk, (Hkv,), dv)
-        positions = token_positions(T, position_offset, None, B, x.device)
-        y_qk, y_v = y.split([(Hq + Hkv) * dk, Hkv * dv], dim=-1)
-        q, k = rotate(y_qk.view(B, T, Hq + Hkv, dk), positions, self.rope_base).split([Hq, Hkv], dim=2)
-        return q, k, y_v.contiguous().view(B, T, Hkv, dv)
+        return projected_heads(y, (Hq, Hkv), dk, (Hkv,), dv, self.rope_base, position_offset)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal SDPA with GQA in [B, H, T, D] layout; returns [B, T, Hq, dv]."""

@@ -21,7 +21,8 @@ import torch
 import optimized.kernels.rope as rope_module
 from optimized import dispatch
 from optimized.kernels.rope import apply_rope_kernel, contiguous_rope_tables, project_heads, rope_tables
-from optimized.module import NSAAttention, rotate
+import optimized.module as module_module
+from optimized.module import NSAAttention, projected_heads
 from reference.config import NSAConfig
 from reference.module import apply_rope
 
@@ -157,7 +158,7 @@ def test_dense_benchmark_projection_runs_project_heads(monkeypatch: pytest.Monke
     x = torch.randn(2, 7, 16, device=DEVICE)
     results = {}
     for forced in (False, True):
-        monkeypatch.setattr(train_model, "rope_on_kernels", lambda device, dtype, forced=forced: forced)
+        monkeypatch.setattr(module_module, "rope_on_kernels", lambda *args, forced=forced: forced)
         leaf = x.clone().requires_grad_(True)
         q, k, v = dense.project(leaf, position_offset=3)
         ((q * q).sum() + 2 * k.sum() + (v * 3).square().sum()).backward()
@@ -232,8 +233,10 @@ def test_contiguous_rope_tables_are_built_once_per_run_of_positions() -> None:
         assert got is not tables and all(torch.equal(a, b) for a, b in zip(got, want)), other
 
 
-def test_rotate_takes_the_torch_expression_off_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rope_module, "apply_rope_kernel", lambda *a: pytest.fail("the kernel must not run"))
-    x = torch.randn(1, 5, 2, 4)
-    assert torch.equal(rotate(x, torch.arange(5), 100.0, "torch"), apply_rope(x, torch.arange(5), 100.0))
-    assert torch.equal(rotate(x.double(), torch.arange(5), 100.0), apply_rope(x.double(), torch.arange(5), 100.0))
+def test_projected_heads_take_the_torch_expression_off_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rope_module, "project_heads", lambda *a: pytest.fail("the kernel must not run"))
+    y = torch.randn(1, 5, 2 * 4 + 3)
+    for y, backend in ((y, "torch"), (y.double(), "auto")):
+        q, v = projected_heads(y, (2,), 4, (1,), 3, 100.0, range_backend=backend)
+        assert torch.equal(q, apply_rope(y[..., :8].view(1, 5, 2, 4), torch.arange(5), 100.0))
+        assert torch.equal(v, y[..., 8:].reshape(1, 5, 1, 3))
