@@ -234,16 +234,16 @@ HIT_MAP_ROWS = 1024  # query rows per slice of the statistics' block map (fewer 
 _HIT_OFFSETS = DeviceTables()
 
 
-def _hit_offsets(B: int, T: int, Hkv: int, n_blocks: int, device: torch.device) -> Tensor:
+def _hit_offsets(B: int, T: int, Hkv: int, n_blocks: int, slices: int, device: torch.device, keep: bool) -> Tensor:
     """[B, T, Hkv, 1] int64: where the blocks of row (b, t, g) start in the statistics' hit map, a map of
-    [B * Hkv, ceil(T / HIT_MAP_ROWS), n_blocks + 1] bytes (slot 0 of each slice: no block, -1); built once per
-    shape and kept (optimized.device_tables)."""
+    [B * Hkv, slices, n_blocks + 1] bytes (slices of HIT_MAP_ROWS rows; slot 0 of each slice: no block, -1). keep:
+    built once per shape and kept (optimized.device_tables), for contiguous rows; a packed batch's block count
+    changes from batch to batch, so its offsets are built and dropped."""
     def build() -> Tensor:
-        slices = -(-T // HIT_MAP_ROWS)
         bg = torch.arange(B * Hkv, device=device).view(B, 1, Hkv, 1)
         t = torch.arange(T, device=device).view(1, T, 1, 1) // HIT_MAP_ROWS
         return (bg * slices + t) * (n_blocks + 1) + 1
-    return _HIT_OFFSETS.kept((B, T, Hkv, n_blocks, device), device, build)
+    return _HIT_OFFSETS.kept((B, T, Hkv, n_blocks, device), device, build) if keep else build()
 
 
 @torch.no_grad()
@@ -263,7 +263,7 @@ def _layer_stats(gates: Tensor, out: NSAOutput, cfg: NSAConfig, T: int,
     # is sliced along the rows because every row of (b, g) storing to one byte of it made that scatter take ~40 us
     # at 16k rows. Built in place of idx's layout: no transposed copy of the indices.
     slices = -(-T // HIT_MAP_ROWS)
-    flat = (idx + _hit_offsets(B, T, Hkv, n_blocks, idx.device)).reshape(-1)
+    flat = (idx + _hit_offsets(B, T, Hkv, n_blocks, slices, idx.device, keep=block_offsets is None)).reshape(-1)
     hit = torch.zeros(B * Hkv * slices * (n_blocks + 1), dtype=torch.uint8, device=flat.device).scatter_(0, flat, 1)
     # a block is hit where any slice of (b, g) hit it; the mean over (b, g) of its distinct blocks
     distinct = hit.view(B * Hkv, slices, n_blocks + 1)[:, :, 1:].amax(1).sum(dtype=torch.float32) / (B * Hkv)

@@ -11,7 +11,7 @@ import torch
 from reference.contract import BRANCHES
 from sentinels.config import load_config
 from sentinels.data.pipeline import locals_only_reach
-from sentinels.model import build_model, lm_head_loss, lm_loss
+from sentinels.model import _document_block_offsets, build_model, lm_head_loss, lm_loss
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 T = 40
@@ -122,6 +122,31 @@ def test_layer_stats_count_the_distinct_selected_blocks(rows_per_slice: int, mon
     expected = sum(len({int(j) for j in idx[b, :, h].flatten() if j >= 0}) for b in range(B) for h in range(Hkv))
     assert float(stats.distinct_blocks) == pytest.approx(expected / (B * Hkv))
     assert stats.reads.tolist() == [0, 2 * B * T * Hkv, B * T * Hkv]
+
+
+def test_layer_stats_keep_the_hit_offsets_of_contiguous_rows_only(monkeypatch: pytest.MonkeyPatch):
+    """The hit map's offsets are kept per shape for contiguous rows; a packed batch (whose block count changes from
+    batch to batch) builds its own and keeps none, and still counts its documents' blocks apart."""
+    import sentinels.model as model_module
+    from optimized.device_tables import DeviceTables
+    from reference.config import NSAConfig
+    from reference.contract import NSAOutput, Reads
+
+    monkeypatch.setattr(model_module, "_HIT_OFFSETS", DeviceTables())
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_sel=2, n_init=1, n_local=1, window=8, n_heads=2,
+                    n_kv_heads=1, head_dim_qk=8, head_dim_v=8)
+    T = 20
+    idx = torch.zeros(1, T, 1, 2, dtype=torch.int64)
+    idx[..., 1] = -1  # every row selects its document's block 0
+    zeros = torch.zeros(1, T, 1, dtype=torch.int64)
+    out = NSAOutput(o=torch.zeros(1, T, 2, 8), indices=idx, o_cmp=None, o_slc=None, o_win=None,
+                    reads=Reads(cmp=zeros, slc=zeros, win=zeros))
+    gates = torch.rand(1, T, 2, 3)
+    packed = model_module._layer_stats(gates, out, cfg, T, _document_block_offsets(torch.tensor([0, 9, T]), 8))
+    assert float(packed.distinct_blocks) == 2  # block 0 of each of the two documents
+    assert not model_module._HIT_OFFSETS._store
+    contiguous = model_module._layer_stats(gates, out, cfg, T)
+    assert float(contiguous.distinct_blocks) == 1 and len(model_module._HIT_OFFSETS._store) == 1
 
 
 def test_optimized_and_reference_models_agree():
