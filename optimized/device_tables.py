@@ -14,6 +14,12 @@ import torch
 T = TypeVar("T")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on device's current stream: a tensor made now holds its values only
+    once the graph replays, so nothing made now may be kept for later calls."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class DeviceTables:
     """kept(key, device, build): the value stored under key, else build() (stored unless capturing on device)."""
 
@@ -27,7 +33,7 @@ class DeviceTables:
             return self._store[key]
         with torch.inference_mode(False):  # a table made under inference_mode could not be saved for backward later
             value = build()
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capturing(device):
             self._store[key] = value
             while len(self._store) > self.size:
                 self._store.popitem(last=False)

@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..device_tables import capturing
 from ..numerics import LOG2E
 from .common import (RangeTiling, compensated_add, dot_settings, head_packed_grid, head_packed_rows, key_tile_span,
                      launch_with_fallback, packed_heads, padded, range_tiling, row_pass_shape, row_view,
@@ -246,13 +247,13 @@ def cached_reading_rows(lo: Tensor, hi: Tensor, n_keys: int, block_n: int) -> tu
     """reading_rows, kept for as long as the tensor lo lives and neither lo nor hi changes: a model's layers pass the
     same cached ranges (range_attention.sequence_ranges) to every backward, whose dk/dv launch then spends no
     launch on the search (about ten small kernels per launch). Not stored while a CUDA graph is being captured
-    (a tensor made there holds its values only once the graph replays)."""
+    (device_tables.capturing)."""
     key = (id(hi), lo._version, hi._version, n_keys, block_n)  # the entry keeps hi alive: its id stays its own
     entries = _READING_ROWS.get(lo)
     if entries is not None and key in entries:
         return entries[key][:2]
     first, last = reading_rows(lo, hi, n_keys, block_n)
-    if not (lo.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not capturing(lo.device):
         if entries is None:
             entries = _READING_ROWS.setdefault(lo, {})
         entries[key] = (first, last, hi)
