@@ -33,10 +33,11 @@ def test_built_once_per_key_and_only_the_last_ones_kept() -> None:
 def test_a_table_first_made_under_inference_mode_serves_training() -> None:
     from optimized.kernels.rope import contiguous_rope_tables, project_heads
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter runs on CPU hosts only
     with torch.inference_mode():
-        tables = contiguous_rope_tables(5, 3, 4, 100.0, torch.float32, torch.device("cpu"))
+        tables = contiguous_rope_tables(5, 3, 4, 100.0, torch.float32, device)
     assert not any(t.is_inference() for t in tables)
-    y = torch.randn(1, 5, 12, requires_grad=True)
+    y = torch.randn(1, 5, 12, device=device, requires_grad=True)
     q, v = project_heads(y, tables, (2,), 4, (1,), 4)
     (q.sum() + v.sum()).backward()  # saving the tables for backward raises for inference tensors
     assert y.grad is not None
