@@ -209,7 +209,7 @@ def selected_cases() -> list[Case]:
     paper layout and prod-125m's (l' = 64): the forward, dq and dk/dv."""
     import torch
 
-    from optimized.kernels.common import dkdv_tiling, dq_row_copies, dq_tiling, forward_tiling, padded
+    from optimized.kernels.common import dkdv_tiling, dq_row_copies, dq_tiling, forward_head_tile, forward_tiling, padded
     from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
     from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
                                                           _selected_attention_bwd_dq_kernel)
@@ -218,17 +218,18 @@ def selected_cases() -> list[Case]:
     sel_block = 64
     for group, d in ((16, 128), (6, 64)):
         layout = f"G={group} d={d}"
-        block_h = padded(group)  # as the forward and dq launch it
+        block_h = {"forward": forward_head_tile(group, d)[0], "dq": padded(group)}  # as the launches take them
         head_rows, copies = dq_row_copies(group, split_ds=True)
         dims = dict(GROUP=group, DK=d, DV=d, SEL_BLOCK=sel_block, BLOCK_DK=d, BLOCK_DV=d, DOT_FP32=False,
                     INPUT_PRECISION="ieee", PACKED=False)
         bf16 = torch.bfloat16
-        launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(block_h, d, d, sel_block, bf16), {}),
+        launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(group, d, d, sel_block, bf16),
+                     dict(KEY_AXIS=forward_head_tile(group, d)[1])),
                     ("dq", _selected_attention_bwd_dq_kernel, dq_tiling(group, d, d, sel_block, bf16),
                      dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies)))
         for kind, kernel, t, flags in launches:
             cases.append(Case(f"selected {layout} {kind} {t.block_n} keys", kernel, pointers(kernel),
-                              dict(BLOCK_H=block_h, BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,
+                              dict(BLOCK_H=block_h[kind], BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,
                                    **flags, **dims), t.num_warps, t.num_stages,
                               measured_stack=SELECTED_MEASURED_STACK.get((kind, 2 * d), 0)))
         t = dkdv_tiling(group, d, d, sel_block, torch.bfloat16)

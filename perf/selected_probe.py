@@ -164,9 +164,8 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
     q, k, v, idx, scale = x["q"], x["k"], x["v"], x["indices"], x["scale"]
     o, stats, do, delta = x["o"], x["stats"], x["do"], x["delta"]
     group, dk, dv = q.shape[2] // k.shape[2], q.shape[-1], v.shape[-1]
-    block_h = padded(group)
     gb = gathered_bytes(idx, SEL_BLOCK, dk, dv, q.element_size()) / 1e9
-    defaults = {"forward": forward_tiling(block_h, padded(dk), padded(dv), SEL_BLOCK, q.dtype),
+    defaults = {"forward": forward_tiling(group, padded(dk), padded(dv), SEL_BLOCK, q.dtype),
                 "dq": dq_tiling(group, padded(dk), padded(dv), SEL_BLOCK, q.dtype)}
     dkdv_default = dkdv_tiling(group, padded(dk), padded(dv), SEL_BLOCK, q.dtype)
     runs = {

@@ -25,7 +25,7 @@ from triton.runtime.errors import OutOfResources
 from ..dispatch import interpreting
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-MIN_DOT = 16  # tl.dot needs every dimension >= 16
+MIN_DOT = 16  # tiles keep every dot dimension >= 16 (K must be; a smaller M pads to 16 rows, N to 8 columns)
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory a forward program may plan for (H100: 227 KiB per SM)
 
 T = TypeVar("T")
@@ -62,6 +62,22 @@ def padded(n: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(n))
 
 
+MIN_DOT_COLUMNS = 8  # the tensor cores' narrowest N: a dot's columns pad to 8, its rows (M) to 16
+
+
+def forward_head_tile(group: int, width: int) -> tuple[int, int]:
+    """(BLOCK_H, KEY_AXIS) of the selected forward for a KV group of `group` heads and head dims padded to
+    `width`. Groups of up to MIN_DOT_COLUMNS heads at width <= 128 are the columns of its tiles (KEY_AXIS 0:
+    s^T = K q^T, o^T += V^T P^T), padded to MIN_DOT_COLUMNS: a group of 6 takes 8 columns of the dots where it
+    took a 16-row tile as the rows of q K^T, and on an H100 the prod-125m forward (G = 6, d = 64, 16k tokens)
+    took 0.80 ms against 0.89 (perf/NOTES.md). Larger groups and wider heads stay rows (KEY_AXIS 1,
+    padded(group) rows): as columns the 16-head paper layout gained ~1% in bf16 and lost 42% in fp32, and groups
+    of 32-64 heads on 4-8 warps ran up to 1.9x slower."""
+    if group <= MIN_DOT_COLUMNS and width <= 128:
+        return MIN_DOT_COLUMNS, 0
+    return padded(group), 1
+
+
 ROW_PASS_ELEMENTS = 2048  # (row, column) elements of one row-pass program: 16 per thread with 4 warps
 
 
@@ -89,20 +105,21 @@ def key_tile_rows(sel_block: int, cap: int) -> int:
 
 def measured_small_tiles(group_tile: int, width: int, dtype: torch.dtype) -> bool:
     """The shapes the selected-attention kernels' small-tile launch settings were measured on (few_warps,
-    dkdv_tiling): half precision, the group's heads in one 16-row tile (group_tile: the heads padded to a power of
-    two), head dims up to 128."""
+    dkdv_tiling): half precision, the group's heads padded to a power of two (group_tile) within 16, head dims up
+    to 128."""
     return torch.finfo(dtype).bits == 16 and group_tile <= MIN_DOT and width <= 128
 
 
 def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype,
               kernel: str = "forward") -> Tiling | None:
-    """The query-centric selected-attention launches (kernel "forward" or "dq") for a [16, d <= 128] half-precision
-    query tile (group sizes up to 16): one program per (query, group) is a chain of dependent gathers, and on an
-    H100 fewer warps per program (more programs resident) ran faster than 4 or 8 warps (perf/NOTES.md): the forward
-    with 32-key tiles, 1 warp, 3 stages at d <= 64 (G = 6, 16k tokens: 1.26 -> 0.90 ms) and 64-key tiles, 2 warps
-    at d = 128; dq with 16-key tiles, 1 warp, 2 stages (fewer registers per warp than 32 or 64 keys: G = 6, d = 64,
-    16k tokens 1.82 -> 1.76 ms; G = 16, d = 128, 64k tokens 35.5 -> 32.3 ms); key tiles no longer than
-    key_tile_rows allows for l'. None: the general heuristics."""
+    """The query-centric selected-attention launches (kernel "forward" or "dq") for a half-precision group of up to
+    16 heads (block_h: its tile extent) at d <= 128: one program per (query, group) is a chain of dependent
+    gathers, and on an H100 fewer warps per program (more programs resident) ran faster than 4 or 8 warps
+    (perf/NOTES.md): the forward with 32-key tiles, 1 warp, 3 stages at d <= 64 (G = 6, 16k tokens: 1.26 -> 0.90
+    ms) and 64-key tiles, 2 warps at d = 128 (forward_tiling halves that for heads as columns); dq with 16-key
+    tiles, 1 warp, 2 stages (fewer registers per warp than 32 or 64 keys: G = 6, d = 64, 16k tokens 1.82 -> 1.76
+    ms; G = 16, d = 128, 64k tokens 35.5 -> 32.3 ms); key tiles no longer than key_tile_rows allows for l'. None:
+    the general heuristics."""
     width = max(block_dk, block_dv)
     if not measured_small_tiles(block_h, width, dtype):
         return None
@@ -113,11 +130,15 @@ def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype:
     return Tiling(key_tile_rows(sel_block, 64), num_warps=2, num_stages=2)
 
 
-def forward_tiling(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
-    """Heuristic forward launch: few_warps' for small half-precision query tiles; otherwise the widest key tile
-    (<= 64) whose pipelined K/V stages fit SMEM_BUDGET."""
+def forward_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
+    """Heuristic forward launch for a KV group of `group` heads: few_warps' for small half-precision groups (at
+    d = 128 with heads as columns, forward_head_tile, 32-key tiles on one warp, two stages: G = 8, 16k tokens 2.06
+    -> 1.83 ms on an H100); otherwise the widest key tile (<= 64) whose pipelined K/V stages fit SMEM_BUDGET."""
+    block_h, key_axis = forward_head_tile(group, max(block_dk, block_dv))
     small = few_warps(block_h, block_dk, block_dv, sel_block, dtype)
     if small is not None:
+        if key_axis == 0 and max(block_dk, block_dv) > 64:  # heads as columns at d = 128: one warp, two stages
+            return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=2)
         return small
     elem = torch.finfo(dtype).bits // 8
     block_n = key_tile_rows(sel_block, 64)

@@ -1,9 +1,10 @@
 """The selected-attention branch (Eq. 12) on the Triton kernels, differentiable: triton_selected_attention.
 
 Forward kernel: group-centric (paper Section 3.4, Fig. 3). Grid (query row t, KV group g, batch b). Each program
-loads the queries of all heads of group g at row t as one [BLOCK_H, BLOCK_DK] tile ("group-centric data loading"),
-then walks the selected blocks I_t of (t, g) in key tiles of BLOCK_N rows ("shared KV fetching": one K/V load
-serves every head of the group), with an online softmax in fp32 (base 2). It writes o [B, TQ, Hq, dv] and the
+loads the queries of all heads of group g at row t as one tile ("group-centric data loading"), then walks the
+selected blocks I_t of (t, g) in key tiles of BLOCK_N rows ("shared KV fetching": one K/V load serves every head
+of the group), with an online softmax in fp32 (base 2). Small groups are the tiles' columns (s^T = K q^T, the
+dots' N side, which pads to 8 where rows pad to 16), larger ones their rows (common.forward_head_tile). It writes o [B, TQ, Hq, dv] and the
 softmax statistics the backward kernels use to rebuild the probabilities: stats [B, TQ, Hq, 2] fp32 = (m, 1/l), m
 the row max of the base-2 logits s * scale * log2(e), l = sum 2^(s * scale * log2(e) - m), so
 P = 2^(s * scale * log2(e) - m) / l exactly as the forward formed it (one rounding fewer than exp(s * scale - lse);
@@ -32,8 +33,8 @@ from reference.config import NSAConfig
 from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
 from ..numerics import LN2, LOG2E
-from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_tiling, interpreting, launch_with_fallback, padded,
-                     selected_block_keys)
+from .common import (INDEX_DTYPES, Tiling, dot, dot_settings, forward_head_tile, forward_tiling, interpreting,
+                     launch_with_fallback, padded, selected_block_keys)
 from .range_attention import range_attention_forward
 from .selected_attention_bwd import selected_attention_backward
 
@@ -51,8 +52,11 @@ def _selected_attention_fwd_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, KEY_AXIS: tl.constexpr,
 ):
+    # KEY_AXIS: the logits tile's axis over keys (common.forward_head_tile). 0: the group's heads are the tiles'
+    # columns, s^T = K q^T [BLOCK_N, BLOCK_H] and o^T += V^T P^T [BLOCK_DV, BLOCK_H]; 1: they are its rows,
+    # s = q K^T [BLOCK_H, BLOCK_N] and o += P V [BLOCK_H, BLOCK_DV]. Reductions over keys run along KEY_AXIS.
     # 64-bit program ids: every offset below is computed in int64 (T >= 64k).
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
@@ -72,10 +76,11 @@ def _selected_attention_fwd_kernel(
     dv_mask = offs_dv < DV
     heads = g * GROUP + offs_h
 
-    q = tl.load(Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
-                mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    # (tl.expand_dims(x, a) lays x along the other axis, 1 - a.) The group's queries, heads along 1 - KEY_AXIS:
+    # q^T [BLOCK_DK, BLOCK_H] or q [BLOCK_H, BLOCK_DK].
+    q = tl.load(Q + b * stride_qb + t * stride_qt + tl.expand_dims(heads, KEY_AXIS) * stride_qh
+                + tl.expand_dims(offs_dk, 1 - KEY_AXIS),
+                mask=tl.expand_dims(head_mask, KEY_AXIS) & tl.expand_dims(dk_mask, 1 - KEY_AXIS), other=0.0)
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
@@ -84,7 +89,10 @@ def _selected_attention_fwd_kernel(
     # Running max starts finite so a fully masked tile (padding slot, tile past p) gives alpha = 1, p = 0.
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if KEY_AXIS == 0:
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
 
     # One flat loop over (selected slot, key tile of the block) so loads pipeline across blocks.
     for it in range(0, n_sel * TILES_PER_BLOCK):
@@ -93,31 +101,34 @@ def _selected_attention_fwd_kernel(
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
         pos, key_mask = selected_block_keys(block, tile, row_start, p, offs_n, SEL_BLOCK, BLOCK_N)
 
-        kT = tl.load(k_base + pos[None, :] * stride_kt + offs_dk[:, None],
-                     mask=key_mask[None, :] & dk_mask[:, None], other=0.0)
-        v = tl.load(v_base + pos[:, None] * stride_vt + offs_dv[None, :],
-                    mask=key_mask[:, None] & dv_mask[None, :], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
+        # keys along KEY_AXIS in the K tile (K [BLOCK_N, BLOCK_DK] or K^T), along the other axis in the V tile
+        k = tl.load(k_base + tl.expand_dims(pos, 1 - KEY_AXIS) * stride_kt + tl.expand_dims(offs_dk, KEY_AXIS),
+                    mask=tl.expand_dims(key_mask, 1 - KEY_AXIS) & tl.expand_dims(dk_mask, KEY_AXIS), other=0.0)
+        v = tl.load(v_base + tl.expand_dims(pos, KEY_AXIS) * stride_vt + tl.expand_dims(offs_dv, 1 - KEY_AXIS),
+                    mask=tl.expand_dims(key_mask, KEY_AXIS) & tl.expand_dims(dv_mask, 1 - KEY_AXIS), other=0.0)
+        if KEY_AXIS == 0:
+            s = dot(k, q, DOT_FP32, INPUT_PRECISION)
         else:
-            s = tl.dot(q, kT)
-        s = tl.where(key_mask[None, :], s * scale_log2, float("-inf"))
+            s = dot(q, k, DOT_FP32, INPUT_PRECISION)
+        s = tl.where(tl.expand_dims(key_mask, 1 - KEY_AXIS), s * scale_log2, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
         alpha = tl.exp2(m_i - m_new)
-        probs = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:  # P goes to the dot in the input dtype, as on the GPU path (no-op for fp32 inputs)
-            acc += tl.dot(probs.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=INPUT_PRECISION)
+        probs = tl.exp2(s - tl.expand_dims(m_new, KEY_AXIS))
+        l_i = l_i * alpha + tl.sum(probs, KEY_AXIS)
+        acc = acc * tl.expand_dims(alpha, KEY_AXIS)
+        # P goes to the dot in the input dtype (a no-op for fp32 inputs)
+        if KEY_AXIS == 0:
+            acc += dot(v, probs.to(v.dtype), DOT_FP32, INPUT_PRECISION)
         else:
-            acc += tl.dot(probs.to(v.dtype), v)
+            acc += dot(probs.to(v.dtype), v, DOT_FP32, INPUT_PRECISION)
         m_i = m_new
 
     has_key = l_i > 0.0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    tl.store(O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-             out.to(O.dtype.element_ty), mask=head_mask[:, None] & dv_mask[None, :])
+    out = acc / tl.expand_dims(tl.where(has_key, l_i, 1.0), KEY_AXIS)
+    tl.store(O + b * stride_ob + t * stride_ot + tl.expand_dims(heads, KEY_AXIS) * stride_oh
+             + tl.expand_dims(offs_dv, 1 - KEY_AXIS), out.to(O.dtype.element_ty),
+             mask=tl.expand_dims(head_mask, KEY_AXIS) & tl.expand_dims(dv_mask, 1 - KEY_AXIS))
     stats_ptr = STATS + b * stride_sb + t * stride_st + heads * 2
     tl.store(stats_ptr, tl.where(has_key, m_i, 0.0), mask=head_mask)  # empty row: m = 0, 1/l = 0 -> P = 0
     tl.store(stats_ptr + 1, tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0), mask=head_mask)
@@ -152,7 +163,8 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
         o, stats = out
     if B * TQ * Hq == 0:
         return o, stats
-    block_h, block_dk, block_dv = padded(group), padded(dk), padded(dv)
+    block_dk, block_dv = padded(dk), padded(dv)
+    block_h, key_axis = forward_head_tile(group, max(block_dk, block_dv))
     dot_fp32, precision = dot_settings(q.dtype)
 
     def launch(tiling: Tiling) -> None:
@@ -168,11 +180,12 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
             GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block,
             BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
             TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
-            PACKED=doc_start is not None, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+            PACKED=doc_start is not None, KEY_AXIS=key_axis, num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages,
         )
 
     if tiling is None:
-        launch_with_fallback(launch, forward_tiling(block_h, block_dk, block_dv, sel_block, q.dtype))
+        launch_with_fallback(launch, forward_tiling(group, block_dk, block_dv, sel_block, q.dtype))
     else:
         launch(tiling)
     return o, stats

@@ -264,7 +264,8 @@ def test_gpu_tiling_sweep_at_64k() -> None:
     scale = 1.0 / math.sqrt(case.dk)
     dims = (padded(case.group), padded(case.dk), padded(case.dv), case.sel_block, torch.bfloat16)
     sweep(REPORT["forward_sweep"],
-          [Tiling(n, w, st) for n in (32, 64) for w in (1, 2, 4, 8) for st in (1, 2, 3)], forward_tiling(*dims),
+          [Tiling(n, w, st) for n in (32, 64) for w in (1, 2, 4, 8) for st in (1, 2, 3)],
+          forward_tiling(case.group, *dims[1:]),
           lambda tiling: selected_attention_forward(q, k, v, idx, case.sel_block, scale, tiling))
     o, stats = selected_attention_forward(q, k, v, idx, case.sel_block, scale)
     do = torch.randn_like(o)

@@ -35,6 +35,9 @@ CASES = {
     "decode-chunk": Case(tk=40, tq=5, n_kv_heads=2, group=2, dk=8, dv=16, sel_block=8, n_sel=4, batch=2),
     "decode-one": Case(tk=29, tq=1, n_kv_heads=2, group=5, dk=8, dv=8, sel_block=4, n_sel=3),
     "sel-block-24": Case(tk=40, tq=40, n_kv_heads=1, group=4, dk=8, dv=8, sel_block=24, n_sel=2),
+    # a small group whose head dim pads past 128: the forward takes its heads as rows (common.forward_head_tile),
+    # where every case above with fewer than 16 heads takes them as columns
+    "group2-dk136": Case(tk=21, tq=21, n_kv_heads=1, group=2, dk=136, dv=8, sel_block=8, n_sel=2),
 }
 
 
