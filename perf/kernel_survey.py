@@ -90,8 +90,10 @@ def resources(compiled) -> dict[str, int]:
 # (perf.selected_probe, reports/perf/selected_launch): the paper layout's dq at one warp (255 registers; 2 warps or
 # wider key tiles measured slower) and dk/dv at 32 columns (no other setting within 20% at 64k tokens); prod-125m's
 # dk/dv at 128 columns (in the prod-125m training step 2-4% faster than the 64-column settings at 2k and 16k; with
-# the group's 6 heads unpadded, 21 queries per step, 7-10% faster again and 280 bytes of stack).
-SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dkdv", 256): 96, ("dkdv", 128): 280}
+# the group's 6 heads unpadded, 21 queries per step, 7-10% faster again and 280 bytes of stack), and its dq with
+# the heads as columns at 32 keys, 3 stages (8 bytes under Triton 3.7; 1.05 ms at 16k tokens against 1.12 at 16 keys,
+# 2 stages, which spills nothing; perf/NOTES.md).
+SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dq", 128): 8, ("dkdv", 256): 96, ("dkdv", 128): 280}
 
 
 def lean_cases() -> list[Case]:
@@ -209,7 +211,7 @@ def selected_cases() -> list[Case]:
     paper layout and prod-125m's (l' = 64): the forward, dq and dk/dv."""
     import torch
 
-    from optimized.kernels.common import dkdv_tiling, dq_row_copies, dq_tiling, forward_head_tile, forward_tiling, padded
+    from optimized.kernels.common import dkdv_tiling, dq_head_tile, dq_tiling, forward_head_tile, forward_tiling
     from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
     from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
                                                           _selected_attention_bwd_dq_kernel)
@@ -218,15 +220,15 @@ def selected_cases() -> list[Case]:
     sel_block = 64
     for group, d in ((16, 128), (6, 64)):
         layout = f"G={group} d={d}"
-        block_h = {"forward": forward_head_tile(group, d)[0], "dq": padded(group)}  # as the launches take them
-        head_rows, copies = dq_row_copies(group, split_ds=True)
+        dq_h, dq_axis, head_rows, copies = dq_head_tile(group, True, d)  # as the launches take them
+        block_h = {"forward": forward_head_tile(group, d)[0], "dq": dq_h}
         dims = dict(GROUP=group, DK=d, DV=d, SEL_BLOCK=sel_block, BLOCK_DK=d, BLOCK_DV=d, DOT_FP32=False,
                     INPUT_PRECISION="ieee", PACKED=False)
         bf16 = torch.bfloat16
         launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(group, d, d, sel_block, bf16),
                      dict(KEY_AXIS=forward_head_tile(group, d)[1])),
                     ("dq", _selected_attention_bwd_dq_kernel, dq_tiling(group, d, d, sel_block, bf16),
-                     dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies)))
+                     dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies, KEY_AXIS=dq_axis)))
         for kind, kernel, t, flags in launches:
             cases.append(Case(f"selected {layout} {kind} {t.block_n} keys", kernel, pointers(kernel),
                               dict(BLOCK_H=block_h[kind], BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,

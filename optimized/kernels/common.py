@@ -168,18 +168,34 @@ def dq_row_copies(group: int, split_ds: bool) -> tuple[int, int]:
     return head_rows, 3 if fit >= 4 else 2
 
 
+def dq_head_tile(group: int, split_ds: bool, width: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, KEY_AXIS, HEAD_ROWS, COPIES) of a selected dq launch for a KV group of `group` heads, head dims
+    padded to `width`. A half-precision group of 5 to 8 heads at width <= 128 is the columns of the kernel's tiles
+    (KEY_AXIS 0, as in the forward: forward_head_tile): its three products with the key tile (dS hi, dS lo, P)
+    then take 8 columns each, which on an H100 ran faster than two 16-row products with the heads and their copies
+    as rows (prod-125m, G = 6, d = 64: 16k tokens 1.19 -> 1.08 ms, 2k x 8 1.19 -> 1.02; G = 8, d = 128: 2.52 ->
+    2.39; perf/NOTES.md). Smaller groups, whose rows also carry P in the one product (three copies), and the rest
+    keep the rows (KEY_AXIS 1, dq_row_copies): a group of 1 at d = 128 ran 17% slower as columns."""
+    if split_ds and 4 < group <= MIN_DOT_COLUMNS and width <= 128:
+        return MIN_DOT_COLUMNS, 0, MIN_DOT_COLUMNS, 1
+    return (padded(group), 1) + dq_row_copies(group, split_ds)
+
+
 def dq_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
     """Heuristic launch of the dq kernel (query-centric like the forward) for a KV group of `group` heads:
     few_warps' for small half-precision query tiles, with three stages instead of two where the tile's free rows
     carry the split dS (dq_row_copies) at d <= 64 (fewer registers: G = 6, d = 64 156 -> 135; one H100, 16k
-    tokens 1.350 -> 1.223 ms, 64k 5.48 -> 4.96; perf/NOTES.md); otherwise narrower key tiles for wide heads and
-    fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and sum(P k) live in registers)."""
-    block_h = padded(group)
+    tokens 1.350 -> 1.223 ms, 64k 5.48 -> 4.96; perf/NOTES.md), and 32-key tiles where the heads are the tiles'
+    columns at d <= 64 (dq_head_tile; G = 6, 16k tokens: 1.12 ms at 16 keys, 1.08 at 32); otherwise narrower key
+    tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and
+    sum(P k) live in registers)."""
+    block_h, key_axis, _, copies = dq_head_tile(group, dtype != torch.float32, max(block_dk, block_dv))
     small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, kernel="dq")
     if small is not None:
-        packed = dq_row_copies(group, dtype != torch.float32)[1] > 1
-        if packed and max(block_dk, block_dv) <= 64:
+        if copies > 1 and max(block_dk, block_dv) <= 64:
             return Tiling(small.block_n, small.num_warps, num_stages=3)
+        if key_axis == 0 and max(block_dk, block_dv) <= 64:
+            return Tiling(key_tile_rows(sel_block, 32), small.num_warps, num_stages=3)
         return small
     elem = torch.finfo(dtype).bits // 8
     cap = 64 if max(block_dk, block_dv) <= 128 and elem == 2 else 32
@@ -440,6 +456,18 @@ def dot(a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=INPUT_PRECISION)
     else:
         out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def heads_dot(heads_tile, other, KEY_AXIS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """The product of a tile over a KV group's heads with a tile over keys or the head dim, for the selected kernels'
+    two layouts (forward_head_tile): heads_tile @ other where the heads are rows (KEY_AXIS 1), other @ heads_tile
+    where they are columns (KEY_AXIS 0), each operand given in its layout's orientation."""
+    if KEY_AXIS == 0:
+        out = dot(other, heads_tile, DOT_FP32, INPUT_PRECISION)
+    else:
+        out = dot(heads_tile, other, DOT_FP32, INPUT_PRECISION)
     return out
 
 

@@ -4,9 +4,9 @@ Forward kernel: group-centric (paper Section 3.4, Fig. 3). Grid (query row t, KV
 loads the queries of all heads of group g at row t as one tile ("group-centric data loading"), then walks the
 selected blocks I_t of (t, g) in key tiles of BLOCK_N rows ("shared KV fetching": one K/V load serves every head
 of the group), with an online softmax in fp32 (base 2). Small groups are the tiles' columns (s^T = K q^T, the
-dots' N side, which pads to 8 where rows pad to 16), larger ones their rows (common.forward_head_tile). It writes o [B, TQ, Hq, dv] and the
-softmax statistics the backward kernels use to rebuild the probabilities: stats [B, TQ, Hq, 2] fp32 = (m, 1/l), m
-the row max of the base-2 logits s * scale * log2(e), l = sum 2^(s * scale * log2(e) - m), so
+dots' N side, which pads to 8 where rows pad to 16), larger ones their rows (common.forward_head_tile). It writes
+o [B, TQ, Hq, dv] and the softmax statistics the backward kernels use to rebuild the probabilities: stats
+[B, TQ, Hq, 2] fp32 = (m, 1/l), m the row max of the base-2 logits s * scale * log2(e), l = sum 2^(s * scale * log2(e) - m), so
 P = 2^(s * scale * log2(e) - m) / l exactly as the forward formed it (one rounding fewer than exp(s * scale - lse);
 logsumexp() gives lse). The query row t sits at absolute position p = q_offset + t; keys after p are masked (the
 current block is partial). An empty key set gives o = 0 and 1/l = 0 (lse = -inf).
@@ -33,8 +33,8 @@ from reference.config import NSAConfig
 from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
 from ..numerics import LN2, LOG2E
-from .common import (INDEX_DTYPES, Tiling, dot, dot_settings, forward_head_tile, forward_tiling, interpreting,
-                     launch_with_fallback, padded, selected_block_keys)
+from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_head_tile, forward_tiling, heads_dot,
+                     interpreting, launch_with_fallback, padded, selected_block_keys)
 from .range_attention import range_attention_forward
 from .selected_attention_bwd import selected_attention_backward
 
@@ -106,10 +106,7 @@ def _selected_attention_fwd_kernel(
                     mask=tl.expand_dims(key_mask, 1 - KEY_AXIS) & tl.expand_dims(dk_mask, KEY_AXIS), other=0.0)
         v = tl.load(v_base + tl.expand_dims(pos, KEY_AXIS) * stride_vt + tl.expand_dims(offs_dv, 1 - KEY_AXIS),
                     mask=tl.expand_dims(key_mask, KEY_AXIS) & tl.expand_dims(dv_mask, 1 - KEY_AXIS), other=0.0)
-        if KEY_AXIS == 0:
-            s = dot(k, q, DOT_FP32, INPUT_PRECISION)
-        else:
-            s = dot(q, k, DOT_FP32, INPUT_PRECISION)
+        s = heads_dot(q, k, KEY_AXIS, DOT_FP32, INPUT_PRECISION)  # s^T = K q^T or s = q K^T
         s = tl.where(tl.expand_dims(key_mask, 1 - KEY_AXIS), s * scale_log2, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
@@ -117,11 +114,8 @@ def _selected_attention_fwd_kernel(
         probs = tl.exp2(s - tl.expand_dims(m_new, KEY_AXIS))
         l_i = l_i * alpha + tl.sum(probs, KEY_AXIS)
         acc = acc * tl.expand_dims(alpha, KEY_AXIS)
-        # P goes to the dot in the input dtype (a no-op for fp32 inputs)
-        if KEY_AXIS == 0:
-            acc += dot(v, probs.to(v.dtype), DOT_FP32, INPUT_PRECISION)
-        else:
-            acc += dot(probs.to(v.dtype), v, DOT_FP32, INPUT_PRECISION)
+        # o^T += V^T P^T or o += P V, P in the input dtype (a no-op for fp32 inputs)
+        acc += heads_dot(probs.to(v.dtype), v, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
         m_i = m_new
 
     has_key = l_i > 0.0

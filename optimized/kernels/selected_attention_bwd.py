@@ -5,6 +5,8 @@ D = sum_s P_s dP_s, dS = P * (dP - D), dQ = scale * dS K, dK = scale * dS^T Q.
 
 - dq: query-centric like the forward, grid (t, g, b): one program per query row and KV group walks the
   selected blocks of (t, g) and owns dq of the group's heads. It also fixes D (below) and writes it for dk/dv.
+  Half-precision groups of 5-8 heads are its tiles' columns (common.dq_head_tile: s^T = K q^T, dq^T += K^T dS^T,
+  8 columns per product), other groups its rows.
 - dk/dv: key-centric over the inverted index (selected_attention_index): one program per (work item, key
   tile of the block) takes the queries that selected the block BLOCK_COLS (query, head) columns at a time,
   so each step is four [BLOCK_N, BLOCK_COLS]-sized dots, and accumulates dk/dv of its key tile in fp32.
@@ -20,10 +22,10 @@ Accuracy (the error-ratio rule of conformance.helpers.error_ratio against a naiv
   That D is stored for the dk/dv kernel.
 - Half-precision inputs (SPLIT_DS): dS is fed to the dS K dot as two half-precision parts hi + lo
   (lo = dS - hi rounded again), so dq carries dS to ~16 bits instead of 8/11 and is rounded once at the end.
-  Where the group's heads (padded to a power of two) fill at most half of the 16-row tile (groups up to 8), the
-  free rows repeat them (COPIES; dq_row_copies) and the lo half, and for groups up to 4 P as well, ride in the
-  rows of the hi half's dot: three dots per key tile instead of five at groups up to 4, four up to 8. Each part
-  is summed in fp32 over the keys on its own, and the copies are added (hi + lo) once at the end.
+  Where the group's heads are rows and (padded to a power of two) fill at most half of the 16-row tile (groups
+  up to 4), the free rows repeat them (COPIES; dq_row_copies) and the lo half and P ride in the rows of the hi
+  half's dot: three dots per key tile instead of five. Each part is summed in fp32 over the keys on its own, and
+  the copies are added (hi + lo) once at the end. Groups of 5-8 take the three products as 8-column tiles.
 - fp32 inputs (COMPENSATED, dk/dv): exact fp32 dots run as sequential FMA chains on CUDA cores, and
   `acc += dot(a, b)` is fused into one chain over every term. Each step's dot result is therefore added to the
   dk/dv accumulators with Kahan compensation, so a sum over thousands of (query, head) terms (block 0 is
@@ -47,8 +49,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..numerics import LOG2E
-from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_row_copies, dq_tiling,
-                     heads_per_query, key_tile_rows, launch_with_fallback, padded, selected_block_keys,
+from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_head_tile, dq_tiling,
+                     heads_dot, heads_per_query, key_tile_rows, launch_with_fallback, padded, selected_block_keys,
                      smaller_dkdv_tilings)
 from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
@@ -86,7 +88,12 @@ def _selected_attention_bwd_dq_kernel(
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     SPLIT_DS: tl.constexpr, PACKED: tl.constexpr, HEAD_ROWS: tl.constexpr, COPIES: tl.constexpr,
+    KEY_AXIS: tl.constexpr,
 ):
+    # KEY_AXIS: the group's heads are the tiles' columns (0: s^T = K q^T [BLOCK_N, BLOCK_H], dq^T += K^T dS^T) or
+    # their rows (1: s = q K^T, dq += dS K; the only layout with COPIES > 1), as in the forward. Tiles over the
+    # heads lay them along 1 - KEY_AXIS (tl.expand_dims(x, a) lays x along 1 - a); sums over keys run along
+    # KEY_AXIS.
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -108,22 +115,29 @@ def _selected_attention_bwd_dq_kernel(
     dv_mask = offs_dv < DV
     heads = g * GROUP + in_group
 
-    q = tl.load(Q + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
-                mask=head_mask[:, None] & dk_mask[None, :], other=0.0)
-    do = tl.load(DO + b * stride_dob + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
-                 mask=head_mask[:, None] & dv_mask[None, :], other=0.0)
-    o = tl.load(O + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-                mask=head_mask[:, None] & dv_mask[None, :], other=0.0)
+    head_along = tl.expand_dims(heads, KEY_AXIS)
+    head_ok = tl.expand_dims(head_mask, KEY_AXIS)
+    q = tl.load(Q + b * stride_qb + t * stride_qt + head_along * stride_qh + tl.expand_dims(offs_dk, 1 - KEY_AXIS),
+                mask=head_ok & tl.expand_dims(dk_mask, 1 - KEY_AXIS), other=0.0)
+    do = tl.load(DO + b * stride_dob + t * stride_dot + head_along * stride_doh + tl.expand_dims(offs_dv, 1 - KEY_AXIS),
+                 mask=head_ok & tl.expand_dims(dv_mask, 1 - KEY_AXIS), other=0.0)
+    o = tl.load(O + b * stride_ob + t * stride_ot + head_along * stride_oh + tl.expand_dims(offs_dv, 1 - KEY_AXIS),
+                mask=head_ok & tl.expand_dims(dv_mask, 1 - KEY_AXIS), other=0.0)
     # Padding heads: q = dO = 0, m = 1/l = 0, so P = 0 and dS = 0.
     m2 = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2, mask=head_mask, other=0.0)
     inv_l = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2 + 1, mask=head_mask, other=0.0)
-    delta_start = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # D0 = rowsum(dO * O)
+    delta_start = tl.sum(do.to(tl.float32) * o.to(tl.float32), KEY_AXIS)  # D0 = rowsum(dO * O)
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
     idx_base = IDX + b * stride_ib + t * stride_it + g * stride_ih
-    dq = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
-    p_k = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)  # sum_s P_s k_s
+    if KEY_AXIS == 0:  # the split dS's lo half in an accumulator of its own: its product need not wait for hi's
+        dq = tl.zeros([BLOCK_DK, BLOCK_H], dtype=tl.float32)
+        dq_lo = tl.zeros([BLOCK_DK, BLOCK_H], dtype=tl.float32)
+        p_k = tl.zeros([BLOCK_DK, BLOCK_H], dtype=tl.float32)  # sum_s P_s k_s
+    else:
+        dq = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
+        p_k = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
     shift = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum_s P_s (dP_s - D0)
     p_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
 
@@ -133,35 +147,40 @@ def _selected_attention_bwd_dq_kernel(
         block = tl.load(idx_base + slot * stride_in).to(tl.int64)
         pos, key_mask = selected_block_keys(block, tile, row_start, p, offs_n, SEL_BLOCK, BLOCK_N)
 
-        # K is loaded as rows and transposed for the first dot: loaded as kT, the tile's second use (dS K) needed
-        # a register copy in another layout, and Triton's pipeliner then left that load synchronous in the loop.
-        k_rows = tl.load(k_base + pos[:, None] * stride_kt + offs_dk[None, :],
-                         mask=key_mask[:, None] & dk_mask[None, :], other=0.0)
-        vT = tl.load(v_base + pos[None, :] * stride_vt + offs_dv[:, None],
-                     mask=key_mask[None, :] & dv_mask[:, None], other=0.0)
-        s = dot(q, tl.trans(k_rows), DOT_FP32, INPUT_PRECISION)
-        dp = dot(do, vT, DOT_FP32, INPUT_PRECISION)
-        probs = tl.where(key_mask[None, :], tl.exp2(s * scale_log2 - m2[:, None]) * inv_l[:, None], 0.0)
-        ds = probs * (dp - delta_start[:, None])
-        shift += tl.sum(ds, 1)
-        p_sum += tl.sum(probs, 1)
+        # K is loaded in the orientation of its dS product (rows [BLOCK_N, BLOCK_DK] for dS K, K^T for K^T dS^T)
+        # and transposed as a view for the logits' product: loaded the other way, the tile's second use needed a
+        # register copy in another layout, and Triton's pipeliner then left that load synchronous in the loop.
+        k_tile = tl.load(k_base + tl.expand_dims(pos, KEY_AXIS) * stride_kt + tl.expand_dims(offs_dk, 1 - KEY_AXIS),
+                         mask=tl.expand_dims(key_mask, KEY_AXIS) & tl.expand_dims(dk_mask, 1 - KEY_AXIS), other=0.0)
+        v_tile = tl.load(v_base + tl.expand_dims(pos, 1 - KEY_AXIS) * stride_vt + tl.expand_dims(offs_dv, KEY_AXIS),
+                         mask=tl.expand_dims(key_mask, 1 - KEY_AXIS) & tl.expand_dims(dv_mask, KEY_AXIS), other=0.0)
+        s = heads_dot(q, tl.trans(k_tile), KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+        dp = heads_dot(do, v_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+        probs = tl.where(tl.expand_dims(key_mask, 1 - KEY_AXIS),
+                         tl.exp2(s * scale_log2 - tl.expand_dims(m2, KEY_AXIS)) * tl.expand_dims(inv_l, KEY_AXIS), 0.0)
+        ds = probs * (dp - tl.expand_dims(delta_start, KEY_AXIS))
+        shift += tl.sum(ds, KEY_AXIS)
+        p_sum += tl.sum(probs, KEY_AXIS)
         if SPLIT_DS:
             ds_hi = ds.to(K.dtype.element_ty)
             ds_lo = (ds - ds_hi.to(tl.float32)).to(K.dtype.element_ty)
             if COPIES == 1:
-                dq += dot(ds_hi, k_rows, DOT_FP32, INPUT_PRECISION)
-                dq += dot(ds_lo, k_rows, DOT_FP32, INPUT_PRECISION)
-                p_k += dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += heads_dot(ds_hi, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                if KEY_AXIS == 0:
+                    dq_lo += heads_dot(ds_lo, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                else:
+                    dq += heads_dot(ds_lo, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                p_k += heads_dot(probs.to(K.dtype.element_ty), k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
             elif COPIES == 2:  # copy 0: dS hi, copy 1: dS lo, in one dot; sum P k in its own
-                dq += dot(tl.where(copy[:, None] == 0, ds_hi, ds_lo), k_rows, DOT_FP32, INPUT_PRECISION)
-                p_k += dot(probs.to(K.dtype.element_ty), k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += dot(tl.where(copy[:, None] == 0, ds_hi, ds_lo), k_tile, DOT_FP32, INPUT_PRECISION)
+                p_k += dot(probs.to(K.dtype.element_ty), k_tile, DOT_FP32, INPUT_PRECISION)
             else:  # copy 0: dS hi, copy 1: dS lo, copy 2: P, all three in one dot
                 parts = tl.where(copy[:, None] == 0, ds_hi,
                                  tl.where(copy[:, None] == 1, ds_lo, probs.to(K.dtype.element_ty)))
-                dq += dot(parts, k_rows, DOT_FP32, INPUT_PRECISION)
+                dq += dot(parts, k_tile, DOT_FP32, INPUT_PRECISION)
         else:
-            dq += dot(ds, k_rows, DOT_FP32, INPUT_PRECISION)
-            p_k += dot(probs, k_rows, DOT_FP32, INPUT_PRECISION)
+            dq += heads_dot(ds, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+            p_k += heads_dot(probs, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
 
     if COPIES > 1:  # back to one row per head: dq = hi + lo, sum P k, and copy 0's row sums
         if COPIES == 3:
@@ -176,10 +195,13 @@ def _selected_attention_bwd_dq_kernel(
         in_group = tl.arange(0, HEAD_ROWS)
         head_mask = in_group < GROUP
         heads = g * GROUP + in_group
+    if KEY_AXIS == 0 and SPLIT_DS:
+        dq += dq_lo
     correction = shift + delta_start * (p_sum - 1.0)  # D - D0, D = sum_s P_s dP_s = D0 * sum P + shift
-    dq = (dq - correction[:, None] * p_k) * scale
-    tl.store(DQ + b * stride_dqb + t * stride_dqt + heads[:, None] * stride_dqh + offs_dk[None, :],
-             dq.to(DQ.dtype.element_ty), mask=head_mask[:, None] & dk_mask[None, :])
+    dq = (dq - tl.expand_dims(correction, KEY_AXIS) * p_k) * scale
+    tl.store(DQ + b * stride_dqb + t * stride_dqt + tl.expand_dims(heads, KEY_AXIS) * stride_dqh
+             + tl.expand_dims(offs_dk, 1 - KEY_AXIS), dq.to(DQ.dtype.element_ty),
+             mask=tl.expand_dims(head_mask, KEY_AXIS) & tl.expand_dims(dk_mask, 1 - KEY_AXIS))
     tl.store(DELTA + b * stride_db + t * stride_dt + heads, delta_start + correction, mask=head_mask)
 
 
@@ -392,10 +414,10 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
         dq, delta = out
     if B * TQ * Hq == 0:
         return dq, delta
-    block_h, block_dk, block_dv = padded(group), padded(dk_dim), padded(dv_dim)
+    block_dk, block_dv = padded(dk_dim), padded(dv_dim)
     dot_fp32, precision = dot_settings(q.dtype)
     split_ds = q.dtype != torch.float32
-    head_rows, copies = dq_row_copies(group, split_ds)
+    block_h, key_axis, head_rows, copies = dq_head_tile(group, split_ds, max(block_dk, block_dv))
 
     def launch(tiling: Tiling) -> None:
         _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](
@@ -412,7 +434,8 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
             GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h, BLOCK_DK=block_dk,
             BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n),
             DOT_FP32=dot_fp32, INPUT_PRECISION=precision, SPLIT_DS=split_ds, PACKED=doc_start is not None,
-            HEAD_ROWS=head_rows, COPIES=copies, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+            HEAD_ROWS=head_rows, COPIES=copies, KEY_AXIS=key_axis, num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages,
         )
 
     _run(launch, tiling, dq_tiling(group, block_dk, block_dv, sel_block, q.dtype))

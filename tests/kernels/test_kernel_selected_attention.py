@@ -20,7 +20,7 @@ from optimized.kernels import selected_attention_naive, triton_selected_attentio
 from optimized.kernels import selected_attention_bwd as bwd_module
 from optimized.kernels.selected_attention import logsumexp, selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
-from optimized.kernels.common import (DkdvTiling, Tiling, dq_row_copies, dq_tiling, launch_with_fallback,
+from optimized.kernels.common import (DkdvTiling, Tiling, dq_head_tile, dq_row_copies, dq_tiling, launch_with_fallback,
                                       smaller_dkdv_tilings)
 from reference.branches import selected_attention_rows
 from reference.config import NSAConfig
@@ -38,6 +38,8 @@ CASES = {
     # a small group whose head dim pads past 128: the forward takes its heads as rows (common.forward_head_tile),
     # where every case above with fewer than 16 heads takes them as columns
     "group2-dk136": Case(tk=21, tq=21, n_kv_heads=1, group=2, dk=136, dv=8, sel_block=8, n_sel=2),
+    # the same for the dq kernel at 6 heads (its rows layout with two copies, dq_head_tile)
+    "group6-dk136": Case(tk=24, tq=24, n_kv_heads=1, group=6, dk=136, dv=8, sel_block=8, n_sel=2),
 }
 
 
@@ -200,8 +202,9 @@ HALF_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 @pytest.mark.parametrize("name, dtype", [("group1", torch.bfloat16), ("group16", torch.bfloat16),
                                          ("group3-dk12-dv8", torch.bfloat16), ("group3-dk12-dv8", torch.float16),
-                                         ("group6", torch.bfloat16)],
-                         ids=["group1-bf16", "group16-bf16", "group3-bf16", "group3-fp16", "group6-bf16"])
+                                         ("group6", torch.bfloat16), ("group6-dk136", torch.bfloat16)],
+                         ids=["group1-bf16", "group16-bf16", "group3-bf16", "group3-fp16", "group6-bf16",
+                              "group6-dk136-bf16"])
 def test_half_precision_dq_is_rounded_once(name: str, dtype: torch.dtype) -> None:
     """bf16/fp16 inputs: dq is carried in fp32 and rounded once, so each element is within 1 ulp of float64
     (1 ulp, not 1/2: the interpreter's fp32 -> half casts truncate) plus 2^-(mantissa + 5) * max|dq|. Feeding dS
@@ -233,10 +236,15 @@ def test_half_precision_dq_is_rounded_once(name: str, dtype: torch.dtype) -> Non
 
 
 def test_dq_packs_the_split_into_the_free_rows_of_small_groups() -> None:
-    """The dq launch's row copies (16-row tiles): groups up to 4 carry dS hi, dS lo and P in one dot (3 copies),
-    up to 8 dS hi and lo (2), larger groups and fp32 inputs (no split) one copy of the whole tile. The half-precision
-    dq cases above run each arrangement (group1, group3: 3; group6: 2; group16: 1). A packed launch at d <= 64 takes
-    three pipeline stages, the others two."""
+    """The dq launch's layouts: half-precision groups of 5-8 heads at head dims up to 128 as the tiles' 8 columns
+    (one copy); otherwise rows, where groups up to 4 carry dS hi, dS lo and P in one dot (3 copies), up to 8 dS hi
+    and lo (2), larger groups and fp32 inputs (no split) one copy of the whole tile. The half-precision dq cases
+    above run each arrangement (group6: columns; group1, group3: 3 copies; group6-dk136: 2; group16: 1). A launch
+    with copies or columns at d <= 64 takes three pipeline stages, the others two."""
+    assert dq_head_tile(6, True, 64) == (8, 0, 8, 1)
+    assert dq_head_tile(6, True, 256) == (16, 1, 8, 2)
+    assert dq_head_tile(3, True, 64) == (16, 1, 4, 3)
+    assert dq_head_tile(6, False, 64) == (16, 1, 16, 1)
     assert dq_row_copies(1, True) == (1, 3)
     assert dq_row_copies(3, True) == (4, 3)
     assert dq_row_copies(6, True) == (8, 2)
