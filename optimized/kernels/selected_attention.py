@@ -2,14 +2,15 @@
 
 Forward kernel: group-centric (paper Section 3.4, Fig. 3). Grid (query row t, KV group g, batch b). Each program
 loads the queries of all heads of group g at row t as one tile ("group-centric data loading"), then walks the
-selected blocks I_t of (t, g) in key tiles of BLOCK_N rows ("shared KV fetching": one K/V load serves every head
-of the group), with an online softmax in fp32 (base 2). Small groups are the tiles' columns (s^T = K q^T, the
-dots' N side, which pads to 8 where rows pad to 16), larger ones their rows (common.forward_head_tile). It writes
-o [B, TQ, Hq, dv] and the softmax statistics the backward kernels use to rebuild the probabilities: stats
-[B, TQ, Hq, 2] fp32 = (m, 1/l), m the row max of the base-2 logits s * scale * log2(e), l = sum 2^(s * scale * log2(e) - m), so
-P = 2^(s * scale * log2(e) - m) / l exactly as the forward formed it (one rounding fewer than exp(s * scale - lse);
-logsumexp() gives lse). The query row t sits at absolute position p = q_offset + t; keys after p are masked (the
-current block is partial). An empty key set gives o = 0 and 1/l = 0 (lse = -inf).
+selected blocks I_t of (t, g) in key tiles of BLOCK_N rows ("shared KV fetching": one K/V load serves every head of
+the group), with an online softmax in fp32 (base 2). Small groups are the tiles' columns (s^T = K q^T, the dots'
+N side, which pads to 8 where rows pad to 16), larger ones their rows (common.forward_head_tile). It writes
+o [B, TQ, Hq, dv] and the softmax statistics the backward kernels use to rebuild the probabilities:
+stats [B, TQ, Hq, 2] fp32 = (m, 1/l), m the row max of the base-2 logits s * scale * log2(e),
+l = sum 2^(s * scale * log2(e) - m), so P = 2^(s * scale * log2(e) - m) / l exactly as the forward formed it
+(one rounding fewer than exp(s * scale - lse); logsumexp() gives lse). The query row t sits at absolute position
+p = q_offset + t; keys after p are masked (the current block is partial). An empty key set gives o = 0 and
+1/l = 0 (lse = -inf).
 
 Packed batches (PACKED): DOC_START[t] is the first key of row t's document and block j of the row means keys
 DOC_START[t] + j * SEL_BLOCK ..; the clip to <= p keeps every key inside the document.
