@@ -37,7 +37,8 @@ def check_cu_seqlens(cu_seqlens: Tensor, n_tokens: int, batch: int, where: str =
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{where} must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{where} must be 1-D with N + 1 >= 2 entries [0, ..., T], got shape {tuple(cu_seqlens.shape)}")
+        raise ValueError(f"{where} must be 1-D with N + 1 >= 2 entries [0, ..., T], "
+                         f"got shape {tuple(cu_seqlens.shape)}")
     if batch != 1:
         raise ValueError(f"{where} needs batch size 1 (documents are packed along T), got batch {batch}")
     bounds = [int(x) for x in cu_seqlens.tolist()]

@@ -21,7 +21,9 @@ BRANCHES = ("cmp", "slc", "win")
 
 @dataclass
 class Event:
-    kind: str  # loss_floor | gate_collapse | nonfinite | zero_grad | throughput_drop | fetch_slowdown | heartbeat_stall | data_fallback
+    # loss_floor | gate_collapse | nonfinite | zero_grad | throughput_drop | fetch_slowdown | heartbeat_stall
+    # | data_fallback
+    kind: str
     step: int
     message: str
     halt: bool = False  # the run must stop (after a checkpoint)

@@ -120,7 +120,8 @@ def _shown_path(path: Path | None) -> str | None:
 def markdown_summary(report: dict) -> str:
     """The JSON report as a page: verdicts, the self-test and the plots."""
     lines = [f"# Sentinels: {report['profile']} profile on {report['device']}", "",
-             f"**Overall: {report['verdict']}** in {report['wall_s']:.0f} s. Run config `{report['run_config']['path']}`"
+             f"**Overall: {report['verdict']}** in {report['wall_s']:.0f} s. "
+             f"Run config `{report['run_config']['path']}`"
              f" ({report['run_config']['name']}), probe model {report['probe_config']['name']}, seed "
              f"{report['seed'] if report['seed'] is not None else 'from the configs'}"
              + (f", only {', '.join(report['only'])}" if report.get("only") else "") + ".", "",

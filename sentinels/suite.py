@@ -325,7 +325,8 @@ class SentinelRunner:
         cu = cu_seqlens_of(lengths, device)
         spans = [(a, b) for a, b in check_cu_seqlens(cu, sum(lengths), 1) if b > a]
         vocab = cfg.vocab_size()
-        tokens = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(self.check_seed)).to(device)
+        tokens = torch.randint(0, vocab, (1, sum(lengths)),
+                               generator=torch.Generator().manual_seed(self.check_seed)).to(device)
         alone_diff, perturb_diff, own_change = 0.0, 0.0, float("inf")
         with torch.no_grad(), no_tf32():
             packed = model(tokens, cu).float()
@@ -529,7 +530,8 @@ class SentinelRunner:
             (floor_events[0].message if floor_events else
              f"min step loss {min(finite) if finite else float('nan'):.4f} >= floor "
              f"{cfg.monitors.loss_floor.threshold} over {result.steps_done} steps") + cut,
-            f"no step loss < {cfg.monitors.loss_floor.threshold} nats before step {cfg.monitors.loss_floor.before_step}",
+            f"no step loss < {cfg.monitors.loss_floor.threshold} nats before step "
+            f"{cfg.monitors.loss_floor.before_step}",
             metrics={"min_loss": min(finite) if finite else None, "final_loss": losses[-1] if losses else None,
                      "steps": result.steps_done, "data_quality": _quality(trainer)},
             curves=curves, wall_s=wall, planted=planted, incomplete=incomplete)

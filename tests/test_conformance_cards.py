@@ -51,5 +51,6 @@ def test_each_card_runs_under_its_hypothesis_profile():
     assert {cards.CARDS[n].hypothesis_profile for n in ("fla-naive", "native-sparse-attention-pytorch")} == {"ci"}
     import hypothesis
 
-    assert hypothesis.settings.get_profile("ci-no-shrink").max_examples == hypothesis.settings.get_profile("ci").max_examples
+    no_shrink = hypothesis.settings.get_profile("ci-no-shrink")
+    assert no_shrink.max_examples == hypothesis.settings.get_profile("ci").max_examples
     assert hypothesis.Phase.shrink not in hypothesis.settings.get_profile("ci-no-shrink").phases

@@ -362,7 +362,8 @@ def test_lean_step_with_several_splits(rank_block, lists, monkeypatch):
     (up to 7 blocks for n = 5, so the ranking decides)."""
     from optimized.kernels import decode_step
 
-    monkeypatch.setattr(decode_step, "step_splits", lambda *args: decode_step.StepSplits(cmp=3, lists=lists, slc=3, win=2))
+    monkeypatch.setattr(decode_step, "step_splits",
+                        lambda *args: decode_step.StepSplits(cmp=3, lists=lists, slc=3, win=2))
     monkeypatch.setattr(decode_step, "MERGE_CHUNK", 2)
     monkeypatch.setattr(decode_step, "GATE_TILE_DV", 16)
     monkeypatch.setattr(decode_step, "SCORE_BLOCK", 2)

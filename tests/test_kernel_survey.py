@@ -1,9 +1,9 @@
 """perf/kernel_survey.py: the lean decode step's gate, score and select kernels, the prefill range and
-selected-attention kernels' launches and Eq. 7's and the gate MLP's kernels compile for sm_90 without spilling beyond what was measured acceptable, and the
-pipelined launches load every tile in their loops asynchronously (no GPU needed: Triton's own ptxas and cuobjdump).
-An earlier gate kernel spilled kilobytes per thread at 16-32 compressed splits and ran several times slower, and an
-earlier selected dq kernel's key-tile load was left synchronous and ran 1.3x-1.5x slower (perf/NOTES.md); this keeps
-both from coming back unseen."""
+selected-attention kernels' launches and Eq. 7's and the gate MLP's kernels compile for sm_90 without spilling
+beyond what was measured acceptable, and the pipelined launches load every tile in their loops asynchronously (no
+GPU needed: Triton's own ptxas and cuobjdump). An earlier gate kernel spilled kilobytes per thread at 16-32
+compressed splits and ran several times slower, and an earlier selected dq kernel's key-tile load was left
+synchronous and ran 1.3x-1.5x slower (perf/NOTES.md); this keeps both from coming back unseen."""
 
 import os
 import subprocess

@@ -42,7 +42,8 @@ def test_report_writes_json_and_markdown_with_planted_rows_as_expected_trips(tmp
     assert "git" not in report and "started_at" not in report and report["seed"] == 3
     assert [p["state"] for p in report["planted"]] == ["tripped (expected)", "not applicable"]
     assert report["sentinels"][0]["plot"] == "cpu-cpu/random_label.png"
-    assert (tmp_path / "cpu-cpu" / "random_label.png").is_file() and (tmp_path / "cpu-cpu" / "gate_collapse.png").is_file()
+    assert (tmp_path / "cpu-cpu" / "random_label.png").is_file()
+    assert (tmp_path / "cpu-cpu" / "gate_collapse.png").is_file()
     md = (tmp_path / "cpu-cpu.md").read_text()
     assert "**Overall: PASS**" in md and "| leak: cmp_visible_early | `causal_isolation` | tripped (expected) |" in md
     assert "[plot](cpu-cpu/random_label.png)" in md and "FAIL" not in md.split("## Self-test")[0]

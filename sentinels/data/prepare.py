@@ -53,8 +53,8 @@ def prepare_wiki(out: Path, min_chars: int = 500) -> dict:
             docs.append({"text": text, "title": title, "id": page_id, "source": "enwiki excerpt in gensim 4.4.0",
                          "license": "CC BY-SA 3.0 (Wikipedia)"})
     _write_jsonl(out, docs)
-    return {"out": str(out), "documents": len(docs), "dropped": dropped, "characters": sum(len(d["text"]) for d in docs),
-            "source": str(source)}
+    return {"out": str(out), "documents": len(docs), "dropped": dropped,
+            "characters": sum(len(d["text"]) for d in docs), "source": str(source)}
 
 
 def prepare_text(inputs: list[Path], out: Path) -> dict:

@@ -4,7 +4,8 @@ skipped without a CUDA device.
 Option: --gpu-report-dir DIR (default reports/parity; registered in the root conftest.py, so that every pytest
 command line of the repository accepts it): where each module writes its report (<name>.json and .md, merged over
 pytest-xdist workers by conformance.helpers.finish_gpu_report); the tables are printed either way, e.g.
-`python -m pytest tests/gpu -n 6 --gpu-report-dir gpu-reports` or `python -m pytest -m gpu --gpu-report-dir gpu-reports`.
+`python -m pytest tests/gpu -n 6 --gpu-report-dir gpu-reports` or
+`python -m pytest -m gpu --gpu-report-dir gpu-reports`.
 
 Under pytest-xdist each worker gets its share of the CPU cores for torch's CPU threads (worker_threads): the float64
 loop-reference oracles run on the CPU, and N workers each starting one thread per core oversubscribe it N times.

@@ -48,7 +48,8 @@ def markdown(report: dict) -> str:
     lines += markdown_table(("case", "rows x groups", "differing", "kernel ms", "torch code ms"),
                             ((r["case"], r["rows"], r["differing"], f"{r['kernel_ms']:.3f}", f"{r['torch_ms']:.3f}")
                              for r in report["kernel"]))
-    lines += ["", "## selection_indices(range_backend='triton'): fused vs the torch code (select_blocks on the kernel's scores)", ""]
+    lines += ["", "## selection_indices(range_backend='triton'): fused vs the torch code "
+              "(select_blocks on the kernel's scores)", ""]
     lines += markdown_table(("case", "differing (row, group)s", "fused ms", "torch code ms", "chunk 777 identical"),
                             ((r["case"], r["differing"], f"{r['fused_ms']:.2f}", f"{r['torch_ms']:.2f}",
                               r["chunked_identical"]) for r in report["selection"]))

@@ -2,9 +2,9 @@
 
 Both runs start from the same seed and data (synthetic tokens), in bf16 on the kernel path, with gradient
 accumulation over two micro-steps, so a step replays the forward graph and the backward graph twice and the
-gradients accumulate outside them; between two steps both run an eager forward, as an evaluation does. The graphs run the eager step's kernels in the same order, so the losses, the
-per-layer statistics that replays refresh in place (gate means, distinct blocks, reads) and the trained weights
-must be identical, bit for bit.
+gradients accumulate outside them; between two steps both run an eager forward, as an evaluation does. The
+graphs run the eager step's kernels in the same order, so the losses, the per-layer statistics that replays
+refresh in place (gate means, distinct blocks, reads) and the trained weights must be identical, bit for bit.
 """
 
 from __future__ import annotations
