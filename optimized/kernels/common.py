@@ -111,34 +111,38 @@ def measured_small_tiles(group_tile: int, width: int, dtype: torch.dtype) -> boo
 
 
 def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype,
-              kernel: str = "forward") -> Tiling | None:
+              kernel: str = "forward", heads_as_columns: bool = False) -> Tiling | None:
     """The query-centric selected-attention launches (kernel "forward" or "dq") for a half-precision group of up to
     16 heads (block_h: its tile extent) at d <= 128: one program per (query, group) is a chain of dependent
     gathers, and on an H100 fewer warps per program (more programs resident) ran faster than 4 or 8 warps
     (perf/NOTES.md): the forward with 32-key tiles, 1 warp, 3 stages at d <= 64 (G = 6, 16k tokens: 1.26 -> 0.90
-    ms) and 64-key tiles, 2 warps at d = 128 (forward_tiling halves that for heads as columns); dq with 16-key
-    tiles, 1 warp, 2 stages (fewer registers per warp than 32 or 64 keys: G = 6, d = 64, 16k tokens 1.82 -> 1.76
-    ms; G = 16, d = 128, 64k tokens 35.5 -> 32.3 ms); key tiles no longer than key_tile_rows allows for l'. None:
-    the general heuristics."""
+    ms) and 64-key tiles, 2 warps at d = 128; dq with 16-key tiles, 1 warp, 2 stages (fewer registers per warp than
+    32 or 64 keys: G = 6, d = 64, 16k tokens 1.82 -> 1.76 ms; G = 16, d = 128, 64k tokens 35.5 -> 32.3 ms). With
+    the heads as the tiles' columns (heads_as_columns: forward_head_tile, dq_head_tile) both take 32-key tiles on
+    one warp, 3 stages at d <= 64 (dq, G = 6, 16k tokens: 1.12 ms at 16 keys, 2 stages; 1.05 at 32, 3), and at
+    d = 128 the forward 2 stages (G = 8, 16k tokens 2.06 -> 1.83 ms against 64 keys on 2 warps), the dq its 16-key
+    tiles. Key tiles no longer than key_tile_rows allows for l'. None: the general heuristics."""
     width = max(block_dk, block_dv)
     if not measured_small_tiles(block_h, width, dtype):
         return None
+    if heads_as_columns and width <= 64:
+        return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=3)
     if kernel == "dq":
         return Tiling(key_tile_rows(sel_block, 16), num_warps=1, num_stages=2)
     if width <= 64:
         return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=3)
+    if heads_as_columns:
+        return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=2)
     return Tiling(key_tile_rows(sel_block, 64), num_warps=2, num_stages=2)
 
 
 def forward_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
-    """Heuristic forward launch for a KV group of `group` heads: few_warps' for small half-precision groups (at
-    d = 128 with heads as columns, forward_head_tile, 32-key tiles on one warp, two stages: G = 8, 16k tokens 2.06
-    -> 1.83 ms on an H100); otherwise the widest key tile (<= 64) whose pipelined K/V stages fit SMEM_BUDGET."""
+    """Heuristic forward launch for a KV group of `group` heads: few_warps' for small half-precision groups (in
+    the layout forward_head_tile picks); otherwise the widest key tile (<= 64) whose pipelined K/V stages fit
+    SMEM_BUDGET."""
     block_h, key_axis = forward_head_tile(group, max(block_dk, block_dv))
-    small = few_warps(block_h, block_dk, block_dv, sel_block, dtype)
+    small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, heads_as_columns=key_axis == 0)
     if small is not None:
-        if key_axis == 0 and max(block_dk, block_dv) > 64:  # heads as columns at d = 128: one warp, two stages
-            return Tiling(key_tile_rows(sel_block, 32), num_warps=1, num_stages=2)
         return small
     elem = torch.finfo(dtype).bits // 8
     block_n = key_tile_rows(sel_block, 64)
@@ -185,17 +189,14 @@ def dq_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: t
     """Heuristic launch of the dq kernel (query-centric like the forward) for a KV group of `group` heads:
     few_warps' for small half-precision query tiles, with three stages instead of two where the tile's free rows
     carry the split dS (dq_row_copies) at d <= 64 (fewer registers: G = 6, d = 64 156 -> 135; one H100, 16k
-    tokens 1.350 -> 1.223 ms, 64k 5.48 -> 4.96; perf/NOTES.md), and 32-key tiles where the heads are the tiles'
-    columns at d <= 64 (dq_head_tile; G = 6, 16k tokens: 1.12 ms at 16 keys, 1.08 at 32); otherwise narrower key
-    tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and
-    sum(P k) live in registers)."""
+    tokens 1.350 -> 1.223 ms, 64k 5.48 -> 4.96; perf/NOTES.md) (few_warps has the layout with the heads as the
+    tiles' columns, dq_head_tile); otherwise narrower key tiles for wide heads and fp32 inputs (the fp32
+    [BLOCK_N, d] key/value tiles and dq, its compensation and sum(P k) live in registers)."""
     block_h, key_axis, _, copies = dq_head_tile(group, dtype != torch.float32, max(block_dk, block_dv))
-    small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, kernel="dq")
+    small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, kernel="dq", heads_as_columns=key_axis == 0)
     if small is not None:
         if copies > 1 and max(block_dk, block_dv) <= 64:
             return Tiling(small.block_n, small.num_warps, num_stages=3)
-        if key_axis == 0 and max(block_dk, block_dv) <= 64:
-            return Tiling(key_tile_rows(sel_block, 32), small.num_warps, num_stages=3)
         return small
     elem = torch.finfo(dtype).bits // 8
     cap = 64 if max(block_dk, block_dv) <= 128 and elem == 2 else 32

@@ -102,8 +102,7 @@ def apply_rope_kernel(x: Tensor, positions: Tensor, base: float = 10000.0) -> Te
                          f"{x.dtype} {tuple(x.shape)}")
     if positions.shape != x.shape[1:2]:
         raise ValueError(f"apply_rope_kernel: positions must be [T] = [{x.shape[1]}], got {tuple(positions.shape)}")
-    cos, sin = rope_angles(positions, x.shape[-1], base)
-    return _Rope.apply(x, cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous())
+    return _Rope.apply(x, *rope_tables(positions, x.shape[-1], base, x.dtype))
 
 
 class _ProjectHeads(torch.autograd.Function):
