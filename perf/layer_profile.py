@@ -1,16 +1,19 @@
 """Where the NSA layer's time goes, kernel by kernel (a GPU diagnostic next to `perf run`'s stage rows).
 
-Runs the perf runner's own layer case (perf.cases.build_nsa_case, paper preset, bf16, batch 1) for one
-implementation and pass under torch.profiler, and reports for each GPU kernel its device time and launches per
+Runs the perf runner's own layer case (perf.cases.build_nsa_case, paper preset, bf16, batch 1; the sweep's
+d_k = d_v = 128 unless --head-dims says otherwise, e.g. 192,128 for the paper's own) for one implementation and pass
+under torch.profiler, and reports for each GPU kernel its device time and launches per
 layer call, and the layer's wall time (CUDA events) next to its summed device time: a wall time well above the
 device time means the host (Python, launches, syncs) bounds the call, not the kernels.
 
-    python -m perf.layer_profile --seq-lens 8k,64k [--pass fwd] [--impl "nsa[range_backend=torch]"] [--out DIR]
+    python -m perf.layer_profile --seq-lens 8k,64k [--pass fwd] [--impl "nsa[range_backend=torch]"]
+                                 [--head-dims 192,128] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,10 +26,13 @@ from .implementations import parse_impls
 from .spec import preset
 
 
-def profile_case(impl, T: int, pass_name: str, calls: int, device: torch.device) -> dict:
+def profile_case(impl, T: int, pass_name: str, calls: int, device: torch.device,
+                 head_dims: tuple[int, int] | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     spec = preset("paper")
+    if head_dims is not None:
+        spec = spec.replace(cfg=dataclasses.replace(spec.cfg, head_dim_qk=head_dims[0], head_dim_v=head_dims[1]))
     inputs = single_sequence_inputs(spec, T, device, seed=0)
     run = build_nsa_case(impl, "layer", pass_name, inputs, spec, seed=0).run
     for _ in range(2):
@@ -52,9 +58,21 @@ def profile_case(impl, T: int, pass_name: str, calls: int, device: torch.device)
             counts[event.name[:80]] += 1
     kernels = [{"kernel": name, "ms_per_call": t / calls / 1e3, "launches_per_call": counts[name] / calls}
                for name, t in sorted(totals.items(), key=lambda kv: -kv[1])]
-    return {"seq_len": T, "pass": pass_name, "impl": impl.label, "wall_ms_median": sorted(walls)[len(walls) // 2],
+    return {"seq_len": T, "pass": pass_name, "impl": impl.label,
+            "head_dims": [spec.cfg.head_dim_qk, spec.cfg.head_dim_v], "wall_ms_median": sorted(walls)[len(walls) // 2],
             "device_ms_per_call": sum(totals.values()) / calls / 1e3,
             "launches_per_call": sum(counts.values()) / calls, "kernels": kernels}
+
+
+def head_dims_arg(text: str) -> tuple[int, int]:
+    """--head-dims DK,DV: two positive integers."""
+    try:
+        dk, dv = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--head-dims must be two integers DK,DV, got {text!r}") from None
+    if dk < 1 or dv < 1:
+        raise argparse.ArgumentTypeError(f"--head-dims must be positive, got {text!r}")
+    return dk, dv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=parse_seq_lens, default=(8192, 65536))
     parser.add_argument("--pass", dest="pass_name", choices=("fwd", "fwd_bwd"), default="fwd")
     parser.add_argument("--impl", default="nsa", help="an --impls entry of `perf run` (default nsa: the defaults)")
+    parser.add_argument("--head-dims", type=head_dims_arg, default=None, metavar="DK,DV",
+                        help="the layer's d_k and d_v (default the paper sweep's 128,128)")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", type=Path, default=PERF_OUT,
@@ -71,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     _, (impl,), _ = parse_impls(args.impl, "optimized")
     results = []
     for T in args.seq_lens:
-        r = profile_case(impl, T, args.pass_name, args.calls, device)
+        r = profile_case(impl, T, args.pass_name, args.calls, device, args.head_dims)
         results.append(r)
         print(f"T={T} {args.pass_name} {impl.label}: wall {r['wall_ms_median']:.2f} ms, device "
               f"{r['device_ms_per_call']:.2f} ms in {r['launches_per_call']:.0f} launches per call", flush=True)

@@ -2,7 +2,8 @@
 (a GPU diagnostic, like perf.decode_cmp_probe for the decode step).
 
 What it times (triton.testing.do_bench: warm-up, L2 flushed before every run, median), bf16, in one of LAYOUTS
-(--layout: the paper's 64 q heads in 4 KV groups, d_k = d_v = 128, or prod-125m's 12 in 2, d = 64; both l = 32,
+(--layout: the paper's 64 q heads in 4 KV groups at d_k = d_v = 128 (the benchmark sweeps' layout) or at the
+paper's own d_k = 192, d_v = 128 (paper-dk192, NSAConfig's defaults), or prod-125m's 12 in 2, d = 64; all l = 32,
 d = 16, l' = 64, n = 16, w = 512), --batch sequences of --seq-len tokens:
 - `scores`: the group-scores kernel of optimized/kernels/selection.py (Eq. 8 + 10) over the last --score-rows
   query rows (the widest ranges) per tiling, with its TFLOP/s on the useful q.k_cmp dots (every head, every
@@ -47,6 +48,7 @@ from .timing import bench_ms
 from .flops import ATTENTION_BWD_FACTOR
 
 LAYOUTS = {"paper": NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128),
+           "paper-dk192": NSAConfig.preset("paper"),
            "prod-125m": NSAConfig.preset("paper", n_heads=12, n_kv_heads=2, head_dim_qk=64, head_dim_v=64)}
 CFG = LAYOUTS["paper"]  # the layout the probes use (main sets --layout's)
 SCORE_TILINGS = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2))

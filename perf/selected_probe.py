@@ -11,7 +11,7 @@ perf.prefill_probe's LAYOUTS (--layout), --batch sequences of --seq-len tokens, 
 - `forward`, `dq`, `dkdv`: selected_attention_forward, selected_attention_backward_dq and
   selected_attention_backward_dkdv under each launch setting of FORWARD_TILINGS, DQ_TILINGS and DKDV_TILINGS
   (the default, what optimized/kernels/common.py picks, is marked), with the largest difference from the default's
-  result.
+  result; a setting the GPU cannot launch (shared memory at wide heads) gives a row with its error instead.
 Selections (--selections): `random`, every query's n blocks drawn at random among the visible ones with the
 paper's forced blocks (block 0 and the query's own and previous block) included; or `same`, every query selecting
 blocks 0..n-1 (the same tiles for every program, all L2 hits).
@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from optimized.kernels.common import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling, forward_tiling, heads_per_query,
                                       key_tile_rows, padded, selected_block_keys)
@@ -154,6 +155,11 @@ def _inputs(cfg, T: int, batch: int, kind: str, device: torch.device, dtype: tor
             "delta": delta}
 
 
+def _resource_error(error: Exception) -> str:
+    """The first line of a launch's out-of-resources error (e.g. the shared memory a tiling needs at wide heads)."""
+    return str(error).splitlines()[0]
+
+
 def _diff(a, b) -> float:
     pairs = zip(a, b) if isinstance(a, tuple) else ((a, b),)
     return max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
@@ -179,23 +185,32 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
                                if t != default]
         reference = None
         for t in dict.fromkeys(tilings):  # the default first: the others are compared with its result
-            result = runs[kernel](t)
+            row = {"probe": "selected", "kernel": kernel, "tiling": [t.block_n, t.num_warps, t.num_stages],
+                   "default": t == default}
+            try:
+                result = runs[kernel](t)
+            except OutOfResources as error:  # a launch setting this GPU cannot run: a row that says so
+                yield {**row, "ms": None, "error": _resource_error(error)}
+                continue
             reference = result if reference is None else reference
             ms = bench_ms(lambda: runs[kernel](t), rep_ms)
-            yield {"probe": "selected", "kernel": kernel, "tiling": [t.block_n, t.num_warps, t.num_stages],
-                   "default": t == default, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
+            yield {**row, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
                    "max_abs_diff_vs_default": None if kernel == "gather" else _diff(result, reference)}
     reference = None
     tilings = [dkdv_default] + [DkdvTiling(key_tile_rows(SEL_BLOCK, n), cols, w, st) for n, cols, w, st in DKDV_TILINGS
                                 if cols >= heads_per_query(group)]
     for t in dict.fromkeys(tilings):
-        result = selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t)
+        row = {"probe": "selected", "kernel": "dkdv", "tiling": [t.block_n, t.block_cols, t.num_warps, t.num_stages],
+               "default": t == dkdv_default}
+        try:
+            result = selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t)
+        except OutOfResources as error:
+            yield {**row, "ms": None, "error": _resource_error(error)}
+            continue
         reference = result if reference is None else reference
         ms = bench_ms(lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t),
                     rep_ms)
-        yield {"probe": "selected", "kernel": "dkdv",
-               "tiling": [t.block_n, t.block_cols, t.num_warps, t.num_stages], "default": t == dkdv_default,
-               "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
+        yield {**row, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
                "max_abs_diff_vs_default": _diff(result, reference)}
 
 

@@ -88,6 +88,8 @@ def test_prefill_probe_layouts_and_batch(monkeypatch):
 
     prod = prefill_probe.LAYOUTS["prod-125m"]
     assert (prod.n_heads, prod.n_kv_heads, prod.head_dim_qk, prod.head_dim_v) == (12, 2, 64, 64)
+    wide = prefill_probe.LAYOUTS["paper-dk192"]  # the paper's own head dims, NSAConfig's defaults
+    assert (wide.n_heads, wide.n_kv_heads, wide.head_dim_qk, wide.head_dim_v) == (64, 4, 192, 128)
     monkeypatch.setattr(prefill_probe, "CFG", prod.replace(window=32))
     monkeypatch.setattr(prefill_probe, "bench_ms", lambda fn, rep_ms: 1.0)
     monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((16, 16, 4, 1),))

@@ -419,3 +419,16 @@ def test_time_budget_judges_warm_calls_not_a_slow_first_warm_up(one_thread, monk
     _slow_first_runs(monkeypatch, 0.5, runs=1)  # 21 more calls of 0.5 s would not fit in 3 s, warm ones do
     statuses = _sdpa_statuses(repeats=10, rounds=2, warmup=3, time_budget_s=3.0)
     assert [status for status, _ in statuses] == [OK], statuses
+
+
+def test_layer_profile_head_dims_option_names_the_rule(capsys):
+    """--head-dims takes DK,DV (the paper's own 192,128 beside the sweep's 128,128); anything else is one line naming
+    the option and the rule, before any GPU work."""
+    from perf import layer_profile
+
+    assert layer_profile.head_dims_arg("192,128") == (192, 128)
+    for bad in ("192", "192,x", "0,128"):
+        with pytest.raises(SystemExit):
+            layer_profile.main(["--head-dims", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "--head-dims must be" in err, err

@@ -74,3 +74,40 @@ def test_probes_refuse_a_non_positive_batch_or_length(probe_main, flag, capsys):
         module.main([flag, "0"])
     assert exc.value.code == 2
     assert "--batch and --seq-len must be >= 1" in capsys.readouterr().err
+
+
+def test_a_launch_the_gpu_cannot_fit_is_a_row_with_its_error(monkeypatch):
+    """A launch setting that needs more shared memory than the GPU has (64 x 128 dk/dv tiles at d_k = 192) gives a
+    row naming the error, without a time, and the probe goes on with the next setting."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(selected_probe, "SEL_BLOCK", 16)
+    monkeypatch.setattr(selected_probe, "N_SEL", 3)
+    monkeypatch.setattr(selected_probe, "bench_ms", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(selected_probe, "FORWARD_TILINGS", ((16, 2, 1), (16, 1, 1)))
+    monkeypatch.setattr(selected_probe, "DQ_TILINGS", ((16, 2, 1),))
+    monkeypatch.setattr(selected_probe, "DKDV_TILINGS", ((16, 32, 2, 1), (16, 16, 2, 1)))
+    forward, dkdv = selected_probe.selected_attention_forward, selected_probe.selected_attention_backward_dkdv
+
+    def forward_short_of_memory(*args, tiling=None, **kwargs):
+        if tiling is not None and tiling.num_warps == 2:
+            raise OutOfResources(247808, 232448, "shared memory")
+        return forward(*args, tiling=tiling, **kwargs)
+
+    def dkdv_short_of_memory(*args):
+        if (args[-1].block_cols, args[-1].num_warps) == (32, 2):
+            raise OutOfResources(247808, 232448, "shared memory")
+        return dkdv(*args)
+
+    monkeypatch.setattr(selected_probe, "selected_attention_forward", forward_short_of_memory)
+    monkeypatch.setattr(selected_probe, "selected_attention_backward_dkdv", dkdv_short_of_memory)
+    cfg = NSAConfig.preset("paper", n_heads=4, n_kv_heads=2, head_dim_qk=16, head_dim_v=16)
+    x = selected_probe._inputs(cfg, 48, 1, "random", torch.device("cpu"), torch.float32)
+    rows = list(selected_probe.probe(x, rep_ms=1))
+    failed = [r for r in rows if r["ms"] is None]
+    assert [(r["kernel"], r["tiling"]) for r in failed] == [("forward", [16, 2, 1]), ("dkdv", [16, 32, 2, 1])]
+    assert all("shared memory" in r["error"] and "gb_per_s" not in r for r in failed)
+    # the probe went on past each failed setting
+    assert [r["tiling"] for r in rows if r["kernel"] == "forward"][-1] == [16, 1, 1]
+    assert [r["tiling"] for r in rows if r["kernel"] == "dkdv"][-1] == [16, 16, 2, 1]
+    assert all(r["ms"] == 1.0 for r in rows if r not in failed)
