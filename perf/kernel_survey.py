@@ -92,8 +92,9 @@ def resources(compiled) -> dict[str, int]:
 # dk/dv at 128 columns (in the prod-125m training step 2-4% faster than the 64-column settings at 2k and 16k; with
 # the group's 6 heads unpadded, 21 queries per step, 7-10% faster again and 280 bytes of stack), and its dq with
 # the heads as columns at 32 keys, 3 stages (8 bytes under Triton 3.7; 1.05 ms at 16k tokens against 1.12 at 16 keys,
-# 2 stages, which spills nothing; perf/NOTES.md).
-SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dq", 128): 8, ("dkdv", 256): 96, ("dkdv", 128): 280}
+# 2 stages, which spills nothing; perf/NOTES.md); the paper's d_k = 192 / d_v = 128 dk/dv on 4 warps (48 bytes under
+# Triton 3.7; 8 warps spill nothing but took 1.2-1.5x as long at 8k-64k tokens).
+SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dq", 128): 8, ("dkdv", 256): 96, ("dkdv", 128): 280, ("dkdv", 384): 48}
 
 
 def lean_cases() -> list[Case]:
@@ -143,9 +144,9 @@ def pointers(kernel) -> dict:
 
 def prefill_cases() -> list[Case]:
     """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
-    (16 heads per KV group, d_k = d_v = 128) and prod-125m's (6 per group, d = 64): the group-scores kernel, the
-    range forward, dq (consistent D) and dk/dv."""
-    from optimized.kernels.common import RANGE_MEASURED_STACK, packed_heads, range_tiling
+    (16 heads per KV group, d_k = d_v = 128, and the paper's own d_k = 192 / d_v = 128) and prod-125m's (6 per
+    group, d = 64): the group-scores kernel, the range forward, dq (consistent D) and dk/dv."""
+    from optimized.kernels.common import RANGE_MEASURED_STACK, packed_heads, padded, range_tiling
     from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
     from optimized.kernels.selection import _group_scores_kernel
@@ -153,13 +154,14 @@ def prefill_cases() -> list[Case]:
     import torch
 
     cases = []
-    for group, d in ((16, 128), (6, 64)):
-        dims = dict(DK=d, BLOCK_DK=d, DOT_FP32=False, INPUT_PRECISION="ieee")
-        attn = dict(GROUP=group, DV=d, BLOCK_DV=d, **dims)
-        layout = f"G={group} d={d}"
+    for group, dk, dv in ((16, 128, 128), (6, 64, 64), (16, 192, 128)):
+        bdk, bdv = padded(dk), padded(dv)
+        dims = dict(DK=dk, BLOCK_DK=bdk, DOT_FP32=False, INPUT_PRECISION="ieee")
+        attn = dict(GROUP=group, DV=dv, BLOCK_DV=bdv, **dims)
+        layout = f"G={group} d={dk}" if dk == dv else f"G={group} d_k={dk} d_v={dv}"
 
         def tiles(kind: str):
-            t = range_tiling(d, d, torch.bfloat16, kind)
+            t = range_tiling(bdk, bdk if kind == "scores" else bdv, torch.bfloat16, kind)
             return t, dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n)
 
         t, _ = tiles("scores")
@@ -177,7 +179,7 @@ def prefill_cases() -> list[Case]:
             heads = packed_heads(t, group)  # as the launches take it
             cases.append(Case(f"prefill {layout} range {kind} {t.block_m}x{t.block_n}, {heads} heads", kernel,
                               pointers(kernel), dict(HEADS=heads, **flags, **shape, **attn), t.num_warps,
-                              t.num_stages, measured_stack=RANGE_MEASURED_STACK.get((table_kind, 2 * d), 0)))
+                              t.num_stages, measured_stack=RANGE_MEASURED_STACK.get((table_kind, bdk + bdv), 0)))
     return cases
 
 
@@ -208,38 +210,42 @@ def mlp_cases() -> list[Case]:
 
 def selected_cases() -> list[Case]:
     """The selected-attention kernels' launches with the tilings optimized/kernels/common.py picks (bf16), at the
-    paper layout and prod-125m's (l' = 64): the forward, dq and dk/dv."""
+    paper layout (d = 128, and the paper's own d_k = 192 / d_v = 128) and prod-125m's (l' = 64): the forward, dq and
+    dk/dv."""
     import torch
 
-    from optimized.kernels.common import dkdv_tiling, dq_head_tile, dq_tiling, forward_head_tile, forward_tiling
+    from optimized.kernels.common import (dkdv_tiling, dq_head_tile, dq_tiling, forward_head_tile, forward_tiling,
+                                          padded)
     from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
     from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
                                                           _selected_attention_bwd_dq_kernel)
 
     cases = []
     sel_block = 64
-    for group, d in ((16, 128), (6, 64)):
-        layout = f"G={group} d={d}"
-        dq_h, dq_axis, head_rows, copies = dq_head_tile(group, True, d)  # as the launches take them
-        block_h = {"forward": forward_head_tile(group, d)[0], "dq": dq_h}
-        dims = dict(GROUP=group, DK=d, DV=d, SEL_BLOCK=sel_block, BLOCK_DK=d, BLOCK_DV=d, DOT_FP32=False,
+    for group, dk, dv in ((16, 128, 128), (6, 64, 64), (16, 192, 128)):
+        layout = f"G={group} d={dk}" if dk == dv else f"G={group} d_k={dk} d_v={dv}"
+        bdk, bdv = padded(dk), padded(dv)
+        width = max(bdk, bdv)
+        dq_h, dq_axis, head_rows, copies = dq_head_tile(group, True, width)  # as the launches take them
+        block_h = {"forward": forward_head_tile(group, width)[0], "dq": dq_h}
+        dims = dict(GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block, BLOCK_DK=bdk, BLOCK_DV=bdv, DOT_FP32=False,
                     INPUT_PRECISION="ieee", PACKED=False)
         bf16 = torch.bfloat16
-        launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(group, d, d, sel_block, bf16),
-                     dict(KEY_AXIS=forward_head_tile(group, d)[1])),
-                    ("dq", _selected_attention_bwd_dq_kernel, dq_tiling(group, d, d, sel_block, bf16),
+        launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(group, bdk, bdv, sel_block, bf16),
+                     dict(KEY_AXIS=forward_head_tile(group, width)[1])),
+                    ("dq", _selected_attention_bwd_dq_kernel, dq_tiling(group, bdk, bdv, sel_block, bf16),
                      dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies, KEY_AXIS=dq_axis)))
         for kind, kernel, t, flags in launches:
             cases.append(Case(f"selected {layout} {kind} {t.block_n} keys", kernel, pointers(kernel),
                               dict(BLOCK_H=block_h[kind], BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,
                                    **flags, **dims), t.num_warps, t.num_stages,
-                              measured_stack=SELECTED_MEASURED_STACK.get((kind, 2 * d), 0)))
-        t = dkdv_tiling(group, d, d, sel_block, torch.bfloat16)
+                              measured_stack=SELECTED_MEASURED_STACK.get((kind, bdk + bdv), 0)))
+        t = dkdv_tiling(group, bdk, bdv, sel_block, torch.bfloat16)
         cases.append(Case(f"selected {layout} dk/dv {t.block_n} x {t.block_cols}", _selected_attention_bwd_dkdv_kernel,
                           pointers(_selected_attention_bwd_dkdv_kernel),
                           dict(QUERIES_PER_STEP=t.block_cols // group, BLOCK_COLS=t.block_cols,
                                BLOCK_N=t.block_n, COMPENSATED=False, **dims), t.num_warps, t.num_stages,
-                          measured_stack=SELECTED_MEASURED_STACK.get(("dkdv", 2 * d), 0)))
+                          measured_stack=SELECTED_MEASURED_STACK.get(("dkdv", bdk + bdv), 0)))
     return cases
 
 

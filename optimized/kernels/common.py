@@ -110,6 +110,19 @@ def measured_small_tiles(group_tile: int, width: int, dtype: torch.dtype) -> boo
     return torch.finfo(dtype).bits == 16 and group_tile <= MIN_DOT and width <= 128
 
 
+WIDE_HEADS_MAX_GROUP = 32  # the largest KV group the wide-head launch settings were measured on
+
+
+def measured_wide_heads(group: int, width: int, dtype: torch.dtype) -> bool:
+    """The shapes the selected-attention kernels' wide-head launch settings were measured on (forward_tiling,
+    dq_tiling, dkdv_tiling): half precision, head dims padded beyond 128 (the paper's own d_k = 192, padded to 256,
+    with d_v = 128: NSAConfig's defaults), groups of 1 to WIDE_HEADS_MAX_GROUP heads. There each program's K/V
+    stages take 1.5x the shared memory of d = 128, and the general heuristics' 64-key tiles in three stages left one
+    or two programs per SM: on an H100 at 16k tokens 21-47% slower forwards, 2.2x slower dq and 18-28% slower
+    dk/dv than the settings below (perf/NOTES.md)."""
+    return torch.finfo(dtype).bits == 16 and width > 128 and group <= WIDE_HEADS_MAX_GROUP
+
+
 def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype,
               kernel: str = "forward", heads_as_columns: bool = False) -> Tiling | None:
     """The query-centric selected-attention launches (kernel "forward" or "dq") for a half-precision group of up to
@@ -138,12 +151,14 @@ def few_warps(block_h: int, block_dk: int, block_dv: int, sel_block: int, dtype:
 
 def forward_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
     """Heuristic forward launch for a KV group of `group` heads: few_warps' for small half-precision groups (in
-    the layout forward_head_tile picks); otherwise the widest key tile (<= 64) whose pipelined K/V stages fit
-    SMEM_BUDGET."""
+    the layout forward_head_tile picks); 32-key tiles on 2 warps in 2 stages for measured_wide_heads; otherwise the
+    widest key tile (<= 64) whose pipelined K/V stages fit SMEM_BUDGET."""
     block_h, key_axis = forward_head_tile(group, max(block_dk, block_dv))
     small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, heads_as_columns=key_axis == 0)
     if small is not None:
         return small
+    if measured_wide_heads(group, max(block_dk, block_dv), dtype):  # G = 16, d_k = 192, 64k tokens: 31.0 -> 24.9 ms
+        return Tiling(key_tile_rows(sel_block, 32), num_warps=2, num_stages=2)
     elem = torch.finfo(dtype).bits // 8
     block_n = key_tile_rows(sel_block, 64)
     stages = 3
@@ -190,14 +205,17 @@ def dq_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: t
     few_warps' for small half-precision query tiles, with three stages instead of two where the tile's free rows
     carry the split dS (dq_row_copies) at d <= 64 (fewer registers: G = 6, d = 64 156 -> 135; one H100, 16k
     tokens 1.350 -> 1.223 ms, 64k 5.48 -> 4.96; perf/NOTES.md) (few_warps has the layout with the heads as the
-    tiles' columns, dq_head_tile); otherwise narrower key tiles for wide heads and fp32 inputs (the fp32
-    [BLOCK_N, d] key/value tiles and dq, its compensation and sum(P k) live in registers)."""
+    tiles' columns, dq_head_tile); 64-key tiles on 4 warps in 2 stages for measured_wide_heads; otherwise narrower
+    key tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and
+    sum(P k) live in registers)."""
     block_h, key_axis, _, copies = dq_head_tile(group, dtype != torch.float32, max(block_dk, block_dv))
     small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, kernel="dq", heads_as_columns=key_axis == 0)
     if small is not None:
         if copies > 1 and max(block_dk, block_dv) <= 64:
             return Tiling(small.block_n, small.num_warps, num_stages=3)
         return small
+    if measured_wide_heads(group, max(block_dk, block_dv), dtype):  # G = 16, d_k = 192, 64k tokens: 108 -> 44 ms
+        return Tiling(key_tile_rows(sel_block, 64), num_warps=4, num_stages=2)
     elem = torch.finfo(dtype).bits // 8
     cap = 64 if max(block_dk, block_dv) <= 128 and elem == 2 else 32
     block_n = key_tile_rows(sel_block, cap)
@@ -231,14 +249,16 @@ def dkdv_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype:
     64 rows (32 for d > 128), so the fp32 dk/dv accumulators [block_n, d] stay in registers with 8 warps; for group
     sizes up to 16 and d <= 128, 4 warps and the column count that measured fastest at 16k tokens on an H100
     (G = 6, d = 64: 128 columns, 1.87 -> 1.07 ms, then 21 queries a step with the heads unpadded, 0.76 -> 0.71 ms;
-    G = 16, d = 128: 32 columns, 7.8 -> 5.4 ms; perf/NOTES.md).
-    fp32 (exact fp32 dots on CUDA cores, plus compensation terms): narrower tiles."""
+    G = 16, d = 128: 32 columns, 7.8 -> 5.4 ms; perf/NOTES.md); for measured_wide_heads 32 key rows x 64 columns
+    on 4 warps. fp32 (exact fp32 dots on CUDA cores, plus compensation terms): narrower tiles."""
     elem = torch.finfo(dtype).bits // 8
     width = max(block_dk, block_dv)
     heads = heads_per_query(group)
     if measured_small_tiles(heads, width, dtype):
         return DkdvTiling(block_n=key_tile_rows(sel_block, 64), block_cols=max(128 if width <= 64 else 32, heads),
                           num_warps=4, num_stages=2)
+    if measured_wide_heads(group, width, dtype):  # G = 16, d_k = 192, 64k tokens: 43.5 -> 29.7 ms (8 -> 4 warps)
+        return DkdvTiling(block_n=key_tile_rows(sel_block, 32), block_cols=max(64, heads), num_warps=4, num_stages=2)
     if elem == 2:
         block_n = key_tile_rows(sel_block, 64 if width <= 128 else 32)
         cols = max(64, heads)
@@ -331,19 +351,26 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # 8: a quarter of each tile is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that
 # width keeps one head. At that width the forward and dq take three stages (prod-125m's window and compressed
 # ranges at 16k x 1 and 2k x 8: forward -3 to -4%, dq -4 to -9% against two; perf/NOTES.md).
+# At the paper's own d_k = 192 / d_v = 128 (padded 256 + 128 = 384; the scores kernel reads d_k twice, 512), the
+# tiles measured fastest at 16k tokens on an H100, against the earlier entries, ms for the compressed / window
+# branch (perf/NOTES.md): forward with the group's 16 heads per tile 1.30 / 1.45 -> 1.26 / 1.31; dq on 64-row tiles
+# (whole backward with the earlier dk/dv) 15.6 / 15.8 -> 10.0 / 10.4; dk/dv with 16 rows a step on 4 warps 15.6 /
+# 15.8 -> 13.3 / 13.4; scores 0.94 -> 0.70.
 # "lse": the forward kernel's lse-only pass (the selection's normaliser where the compressed branch did not run)
 # keeps the forward's earlier tiles: with the head-packed tile, the 64k select stage (`python -m perf run`), which
 # runs that pass, took 2 ms longer.
 _RANGE_TABLE = {
-    "forward": ((128, (128, 64, 8, 3)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
+    "forward": ((128, (128, 64, 8, 3)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 2, 16)), (512, (64, 32, 8, 2))),
     "lse": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
-    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (32, 32, 8, 2)), (512, (32, 32, 8, 2))),
-    "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (64, 32, 8, 2)), (512, (32, 16, 8, 2))),
-    "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (64, 32, 8, 2))),
+    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (64, 32, 8, 2)), (512, (32, 32, 8, 2))),
+    "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (16, 64, 4, 2)), (512, (32, 16, 8, 2))),
+    "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (128, 32, 8, 2))),
 }
 # Bytes of stack per thread a _RANGE_TABLE entry (kind, largest BLOCK_DK + BLOCK_DV) was measured fastest with, where
-# it spills; perf.kernel_survey --require-no-spill holds the d = 64 and d = 128 entries to this (0 where not listed).
-RANGE_MEASURED_STACK = {("dkdv", 256): 8}
+# it spills; perf.kernel_survey --require-no-spill holds the d = 64, d = 128 and d_k = 192 / d_v = 128 entries to
+# this (0 where not listed). The d_k = 192 dk/dv at 16 rows a step on 4 warps spills 184 bytes under Triton 3.7 and
+# was the fastest measured (the earlier 64-row, 8-warp tile spills nothing and took 1.2x as long).
+RANGE_MEASURED_STACK = {("dkdv", 256): 8, ("dkdv", 384): 184}
 
 
 def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:

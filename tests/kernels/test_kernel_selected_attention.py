@@ -20,8 +20,8 @@ from optimized.kernels import selected_attention_naive, triton_selected_attentio
 from optimized.kernels import selected_attention_bwd as bwd_module
 from optimized.kernels.selected_attention import logsumexp, selected_attention_forward
 from optimized.kernels.selected_attention_index import build_inverted_index
-from optimized.kernels.common import (DkdvTiling, Tiling, dq_head_tile, dq_row_copies, dq_tiling, launch_with_fallback,
-                                      smaller_dkdv_tilings)
+from optimized.kernels.common import (DkdvTiling, Tiling, dkdv_tiling, dq_head_tile, dq_row_copies, dq_tiling,
+                                      forward_tiling, launch_with_fallback, smaller_dkdv_tilings)
 from reference.branches import selected_attention_rows
 from reference.config import NSAConfig
 
@@ -253,6 +253,24 @@ def test_dq_packs_the_split_into_the_free_rows_of_small_groups() -> None:
     assert dq_tiling(6, 64, 64, 64, torch.bfloat16).num_stages == 3
     assert dq_tiling(16, 64, 64, 64, torch.bfloat16).num_stages == 2
     assert dq_tiling(6, 128, 128, 64, torch.bfloat16).num_stages == 2
+
+
+def test_wide_heads_take_the_launches_measured_for_them() -> None:
+    """Half precision at head dims padded beyond 128 (the paper's d_k = 192 pads to 256), groups of 1-32: the
+    forward on 32-key tiles with 2 warps, dq on 64-key tiles with 4 warps, dk/dv on 32 keys x 64 columns with 4 warps,
+    all in 2 stages (the general heuristics' 64-key, 3-stage forward and 8-warp backward launches ran 1.2x-2.5x
+    slower on an H100). Groups of 64, fp32 and d <= 128 keep their own heuristics."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+    for group in (1, 6, 16, 32):
+        for dtype in (bf16, fp16):
+            assert forward_tiling(group, 256, 128, 64, dtype) == Tiling(32, num_warps=2, num_stages=2)
+            assert dq_tiling(group, 256, 128, 64, dtype) == Tiling(64, num_warps=4, num_stages=2)
+            assert dkdv_tiling(group, 256, 128, 64, dtype) == DkdvTiling(32, 64, num_warps=4, num_stages=2)
+    assert dq_tiling(16, 256, 128, 32, bf16).block_n == 32  # key tiles never span two selection blocks
+    assert forward_tiling(64, 256, 128, 64, bf16) == Tiling(64, num_warps=8, num_stages=2)
+    assert forward_tiling(16, 256, 128, 64, torch.float32).num_warps == 4
+    assert forward_tiling(16, 128, 128, 64, bf16) == Tiling(64, num_warps=2, num_stages=2)
+    assert dkdv_tiling(16, 128, 128, 64, bf16) == DkdvTiling(64, 32, num_warps=4, num_stages=2)
 
 
 def test_backward_is_bitwise_deterministic() -> None:
