@@ -5,13 +5,27 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 DECODE_OUT = Path("reports/decode")  # decode bench, decode profile and the decode kernel probes
 PERF_OUT = Path("reports/perf")  # perf run (paper sweep), the layer profile and the prefill probe
+T = TypeVar("T")
+
+
+def launched(run: Callable[[], T]) -> tuple[T | None, str | None]:
+    """(run(), None), or (None, the error's first line) where the launch needs more shared memory or registers than
+    the GPU has (Triton's OutOfResources): a kernel probe then writes a row that says so for that launch setting
+    and goes on with the next one."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return run(), None
+    except OutOfResources as error:
+        return None, str(error).splitlines()[0]
 
 
 def printed_rows(rows: Iterable[dict]) -> list[dict]:

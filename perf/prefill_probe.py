@@ -20,6 +20,7 @@ d = 16, l' = 64, n = 16, w = 512), --batch sequences of --seq-len tokens:
 - `rows`: the same backward (default tilings) with the dk/dv rows of each key tile split into the tile's own equal
   parts or into chunks of the query rows every tile shares (range_attention_backward's row_chunks), each at the
   default count and at other counts.
+Each tiling is launched as given; one the GPU cannot fit (shared memory or registers) gives a row with its error.
 
     python -m perf.prefill_probe [--seq-len 65536] [--layout prod-125m --batch 8]   # on a GPU; writes
                                                                                      # prefill_probe.json
@@ -43,7 +44,8 @@ from optimized.kernels.range_attention_bwd import dkdv_parts, range_attention_ba
 from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
 
-from .outputs import add_probe_arguments, check_probe_arguments, printed_rows, probe_timing, write_probe_report
+from .outputs import (add_probe_arguments, check_probe_arguments, launched, printed_rows, probe_timing,
+                      write_probe_report)
 from .timing import bench_ms
 from .flops import ATTENTION_BWD_FACTOR
 
@@ -116,10 +118,13 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
     out = []
     for shape in SCORE_TILINGS:
         t = _tiling(shape)
-        p = group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t)
+        row = {"probe": "scores", "tiling": list(shape), "default": t == default, "rows": T - r0}
+        p, error = launched(lambda: group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t))
+        if error is not None:  # a tile this GPU cannot launch: the row says so
+            out.append({**row, "ms": None, "error": error})
+            continue
         ms = bench_ms(lambda: group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t), rep_ms)
-        out.append({"probe": "scores", "tiling": list(shape), "default": t == default, "rows": T - r0,
-                    "ms": ms, "tflops": flops / ms / 1e9,
+        out.append({**row, "ms": ms, "tflops": flops / ms / 1e9,
                     "max_abs_diff_vs_default": float((p - reference).abs().max())})
     return out
 
@@ -164,15 +169,19 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
         lo, hi = x[branch]
         flops = _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v, q.shape[0])
         default = _default_tiling("forward", q.dtype)
-        reference = range_attention_forward(q, k, v, lo, hi, scale, tiling=default)[0]
+        reference = range_attention_forward(q, k, v, lo, hi, scale)[0]  # the default tiling, or what fits
         for shape in RANGE_TILINGS:
             t = _tiling(shape)
-            o = range_attention_forward(q, k, v, lo, hi, scale, tiling=t)[0]
+            row = {"probe": "range", "branch": branch, "tiling": list(astuple(t)), "default": t == default}
+            result, error = launched(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t))
+            if error is not None:
+                out.append({**row, "ms": None, "error": error})
+                continue
+            o = result[0]
             ms = bench_ms(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t), rep_ms)
-            out.append({"probe": "range", "branch": branch, "tiling": list(astuple(t)), "default": t == default,
-                        "ms": ms, "tflops": flops / ms / 1e9,
+            out.append({**row, "ms": ms, "tflops": flops / ms / 1e9,
                         "max_abs_diff_vs_default": float((o.float() - reference.float()).abs().max())})
-            del o
+            del o, result
     return out
 
 
@@ -263,13 +272,16 @@ def probe_backward(x: dict, scale: float, rep_ms: int, variants: tuple | list | 
                 return range_attention_backward(q, k, v, lo, hi, o, lse2, do, scale, dq_tiling=dq_tiling,
                                                 dkdv_tiling=dkdv_tiling, consistent_d=consistent)
 
-            grads = run()
+            row = {"probe": "backward", "branch": branch, "consistent_d": consistent,
+                   "dq_tiling": list(astuple(dq_tiling)), "dkdv_tiling": list(astuple(dkdv_tiling)),
+                   "default": consistent and dq_tiling == dq_default and dkdv_tiling == dkdv_default}
+            grads, error = launched(run)
+            if error is not None:
+                out.append({**row, "ms": None, "error": error})
+                continue
             reference = grads if reference is None else reference
             diff = max(float((a.float() - r.float()).abs().max()) for a, r in zip(grads, reference))
-            out.append({"probe": "backward", "branch": branch, "consistent_d": consistent,
-                        "dq_tiling": list(astuple(dq_tiling)), "dkdv_tiling": list(astuple(dkdv_tiling)),
-                        "default": consistent and dq_tiling == dq_default and dkdv_tiling == dkdv_default,
-                        "ms": (ms := bench_ms(run, rep_ms)), "tflops": flops / ms / 1e9,
+            out.append({**row, "ms": (ms := bench_ms(run, rep_ms)), "tflops": flops / ms / 1e9,
                         "max_abs_grad_diff_vs_first": diff})
     return out
 

@@ -28,14 +28,14 @@ from collections.abc import Iterator
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from optimized.kernels.common import (DkdvTiling, Tiling, dkdv_tiling, dq_tiling, forward_tiling, heads_per_query,
                                       key_tile_rows, padded, selected_block_keys)
 from optimized.kernels.selected_attention import selected_attention_forward
 from optimized.kernels.selected_attention_bwd import selected_attention_backward_dkdv, selected_attention_backward_dq
 
-from .outputs import add_probe_arguments, check_probe_arguments, printed_rows, probe_timing, write_probe_report
+from .outputs import (add_probe_arguments, check_probe_arguments, launched, printed_rows, probe_timing,
+                      write_probe_report)
 from .prefill_probe import LAYOUTS
 from .timing import bench_ms
 
@@ -155,11 +155,6 @@ def _inputs(cfg, T: int, batch: int, kind: str, device: torch.device, dtype: tor
             "delta": delta}
 
 
-def _resource_error(error: Exception) -> str:
-    """The first line of a launch's out-of-resources error (e.g. the shared memory a tiling needs at wide heads)."""
-    return str(error).splitlines()[0]
-
-
 def _diff(a, b) -> float:
     pairs = zip(a, b) if isinstance(a, tuple) else ((a, b),)
     return max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
@@ -187,10 +182,9 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
         for t in dict.fromkeys(tilings):  # the default first: the others are compared with its result
             row = {"probe": "selected", "kernel": kernel, "tiling": [t.block_n, t.num_warps, t.num_stages],
                    "default": t == default}
-            try:
-                result = runs[kernel](t)
-            except OutOfResources as error:  # a launch setting this GPU cannot run: a row that says so
-                yield {**row, "ms": None, "error": _resource_error(error)}
+            result, error = launched(lambda: runs[kernel](t))
+            if error is not None:  # a launch setting this GPU cannot run: a row that says so
+                yield {**row, "ms": None, "error": error}
                 continue
             reference = result if reference is None else reference
             ms = bench_ms(lambda: runs[kernel](t), rep_ms)
@@ -202,10 +196,10 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
     for t in dict.fromkeys(tilings):
         row = {"probe": "selected", "kernel": "dkdv", "tiling": [t.block_n, t.block_cols, t.num_warps, t.num_stages],
                "default": t == dkdv_default}
-        try:
-            result = selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t)
-        except OutOfResources as error:
-            yield {**row, "ms": None, "error": _resource_error(error)}
+        result, error = launched(
+            lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t))
+        if error is not None:
+            yield {**row, "ms": None, "error": error}
             continue
         reference = result if reference is None else reference
         ms = bench_ms(lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t),

@@ -100,3 +100,39 @@ def test_prefill_probe_layouts_and_batch(monkeypatch):
     flops = {x["q"].shape[0]: {row["branch"]: row["tflops"] for row in prefill_probe.probe_range(x, 0.125, 1)}
              for x in (one, two)}
     assert flops[2] == {branch: 2 * value for branch, value in flops[1].items()}
+
+
+def test_prefill_probe_rows_for_tiles_the_gpu_cannot_fit(monkeypatch):
+    """A tile the GPU cannot launch (out of shared memory) gives a row with the error and no time, for the range
+    forward, the backward and the scores probes, and each probe goes on with the next tile."""
+    from triton.runtime.errors import OutOfResources
+
+    from perf import prefill_probe
+    from reference.config import NSAConfig
+
+    monkeypatch.setattr(prefill_probe, "CFG", NSAConfig.preset("paper", n_heads=4, n_kv_heads=2, head_dim_qk=16,
+                                                                head_dim_v=16, window=32))
+    monkeypatch.setattr(prefill_probe, "bench_ms", lambda fn, rep_ms: 1.0)
+    too_big = prefill_probe._tiling((32, 16, 4, 1))
+    monkeypatch.setattr(prefill_probe, "SCORE_TILINGS", ((16, 16, 4, 1), (32, 16, 4, 1)))
+    monkeypatch.setattr(prefill_probe, "RANGE_TILINGS", ((32, 16, 4, 1), (16, 16, 4, 1)))
+    monkeypatch.setattr(prefill_probe, "BACKWARD_VARIANTS", ((True, (16, 16, 4, 1), (16, 16, 4, 1)),
+                                                             (True, (32, 16, 4, 1), (16, 16, 4, 1))))
+
+    def short_of_memory(fn, tiling_names):
+        def run(*args, **kwargs):
+            if any(kwargs.get(name) == too_big for name in tiling_names):
+                raise OutOfResources(247808, 232448, "shared memory")
+            return fn(*args, **kwargs)
+        return run
+
+    for fn, names in (("range_attention_forward", ("tiling",)), ("group_scores", ("tiling",)),
+                      ("range_attention_backward", ("dq_tiling", "dkdv_tiling"))):
+        monkeypatch.setattr(prefill_probe, fn, short_of_memory(getattr(prefill_probe, fn), names))
+    x = prefill_probe._inputs(128, torch.device("cpu"), torch.float32)
+    rows = (prefill_probe.probe_range(x, 0.25, rep_ms=1) + prefill_probe.probe_backward(x, 0.25, rep_ms=1)
+            + prefill_probe.probe_scores(x, rows=32, scale=0.25, rep_ms=1))
+    failed = [row for row in rows if row["ms"] is None]
+    assert len(failed) == 5  # range and backward per branch, scores once
+    assert all("shared memory" in row["error"] and "tflops" not in row for row in failed)
+    assert all(row["ms"] == 1.0 for row in rows if row["ms"] is not None) and len(rows) == 10

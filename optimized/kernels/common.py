@@ -309,6 +309,16 @@ def launch_with_fallback(launch: Callable[[L], T], tiling: L, candidates: list[L
     return launch(candidates[-1])
 
 
+def launch_tiling(launch: Callable[[L], T], tiling: L | None, heuristic: L,
+                  smaller: Callable[[L], list[L]] | None = None) -> T:
+    """launch(tiling) when a tiling is given: exactly that launch, an OutOfResources error included (a probe timing
+    a setting must not time another in its name); otherwise the heuristic one through launch_with_fallback, over
+    smaller(heuristic) (default smaller_tilings)."""
+    if tiling is not None:
+        return launch(tiling)
+    return launch_with_fallback(launch, heuristic, None if smaller is None else smaller(heuristic))
+
+
 # Range attention (optimized/kernels/range_attention_*.py): FlashAttention-2 style tiles ------------------------
 
 @dataclass(frozen=True)

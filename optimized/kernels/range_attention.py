@@ -41,7 +41,7 @@ from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from ..documents import Documents
 from ..numerics import LN2, LOG2E
 from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_packed_grid, head_packed_rows, interpreting,
-                     key_tile_logits, key_tile_span, launch_with_fallback, padded, range_tiling, smaller_range_tilings)
+                     key_tile_logits, key_tile_span, launch_tiling, padded, range_tiling, smaller_range_tilings)
 from .range_attention_bwd import range_attention_backward
 
 
@@ -117,6 +117,8 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
     """Launch the forward on validated inputs (range_attention.check_range_inputs): q [B, TQ, Hq, dk],
     k [B, TK, Hkv, dk], v [B, TK, Hkv, dv] or None (lse only), lo/hi int32 [TQ] contiguous.
     Returns (o [B, TQ, Hq, dv] in q's dtype or None, lse2 [B, TQ, Hq] fp32 base-2 log-sum-exp).
+    tiling: launched as given (the probes time it); default the launch table's, shrunk if the GPU lacks the
+    resources (common.launch_tiling).
     out: a [B, TQ, Hq, dv] tensor of q's dtype (last dim contiguous, e.g. rows of a larger output) to write o into."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv = k.shape[1], k.shape[2]
@@ -145,8 +147,8 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
             INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    first = tiling or range_tiling(padded(dk), padded(dv), q.dtype, "forward" if with_output else "lse")
-    launch_with_fallback(launch, first, smaller_range_tilings(first))
+    launch_tiling(launch, tiling, range_tiling(padded(dk), padded(dv), q.dtype, "forward" if with_output else "lse"),
+                  smaller_range_tilings)
     return o, lse2
 
 

@@ -36,7 +36,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..device_tables import capturing
 from ..numerics import LOG2E
 from .common import (RangeTiling, compensated_add, dot_settings, head_packed_grid, head_packed_rows, key_tile_span,
-                     launch_with_fallback, packed_heads, padded, range_tiling, row_pass_shape, row_view,
+                     launch_tiling, packed_heads, padded, range_tiling, row_pass_shape, row_view,
                      smaller_range_tilings)
 
 
@@ -412,8 +412,8 @@ def range_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi:
             CONSISTENT_D=consistent_d,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
 
-    first = tiling or range_tiling(padded(dk), padded(v.shape[-1]), q.dtype, "dq")
-    launch_with_fallback(launch_dq, first, smaller_range_tilings(first))
+    launch_tiling(launch_dq, tiling, range_tiling(padded(dk), padded(v.shape[-1]), q.dtype, "dq"),
+                  smaller_range_tilings)
     return dq, delta
 
 
@@ -423,6 +423,8 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
                              row_chunks: bool | None = None,
                              consistent_d: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
+    dq_tiling, dkdv_tiling: launched as given (the probes time them); default the launch table's, shrunk if the GPU
+    lacks the resources (common.launch_tiling).
     split: parts of each key tile's reading rows (default dkdv_parts); with more than one, each part's fp32 dk/dv
     go to a workspace [split, B, TK, Hkv, d] summed over the parts in a fixed order (deterministic).
     row_chunks: how the parts divide the rows: True, into `split` chunks of the query rows shared by every key tile
@@ -464,8 +466,8 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
             COMPENSATED=q.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages, **common)
         return out_k, out_v
 
-    first = dkdv_tiling or range_tiling(padded(dk), padded(dv), q.dtype, "dkdv")
-    out_k, out_v = launch_with_fallback(launch_dkdv, first, smaller_range_tilings(first))
+    out_k, out_v = launch_tiling(launch_dkdv, dkdv_tiling, range_tiling(padded(dk), padded(dv), q.dtype, "dkdv"),
+                                 smaller_range_tilings)
     if out_k.shape[0] > 1:
         sum_parts(out_k, dkey)
         sum_parts(out_v, dval)

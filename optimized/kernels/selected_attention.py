@@ -35,7 +35,7 @@ from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
 from ..numerics import LN2, LOG2E
 from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_head_tile, forward_tiling, heads_dot,
-                     interpreting, launch_with_fallback, padded, selected_block_keys)
+                     interpreting, launch_tiling, padded, selected_block_keys)
 from .range_attention import range_attention_forward
 from .selected_attention_bwd import selected_attention_backward
 
@@ -142,7 +142,7 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
     """Launch the forward kernel on validated inputs (last dim contiguous). Returns (o, stats [B, TQ, Hq, 2] fp32).
 
     tiling: launch settings, used as given (the GPU benchmark sweeps it); default: tiling.forward_tiling's
-    heuristic, shrunk by launch_with_fallback if the GPU lacks the resources it needs.
+    heuristic, shrunk if the GPU lacks the resources it needs (common.launch_tiling).
     doc_start: int32 [TQ] contiguous, the first key of each query row's document (packed batch), or None.
     out: (o, stats) tensors of those shapes (last two dims of stats and the last of o contiguous, e.g. rows of
     larger ones) to write into.
@@ -179,10 +179,7 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
             num_stages=tiling.num_stages,
         )
 
-    if tiling is None:
-        launch_with_fallback(launch, forward_tiling(group, block_dk, block_dv, sel_block, q.dtype))
-    else:
-        launch(tiling)
+    launch_tiling(launch, tiling, forward_tiling(group, block_dk, block_dv, sel_block, q.dtype))
     return o, stats
 
 

@@ -41,7 +41,6 @@ forward; the dk/dv programs take their block's first key and its document's end 
 from __future__ import annotations
 
 import math
-from typing import Callable, TypeVar
 
 import torch
 import triton
@@ -50,12 +49,10 @@ from torch import Tensor
 
 from ..numerics import LOG2E
 from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_head_tile, dq_tiling,
-                     heads_dot, heads_per_query, key_tile_rows, launch_with_fallback, padded, selected_block_keys,
+                     heads_dot, heads_per_query, key_tile_rows, launch_tiling, padded, selected_block_keys,
                      smaller_dkdv_tilings)
 from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
-
-L = TypeVar("L")
 
 
 @triton.jit
@@ -438,7 +435,7 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
             num_stages=tiling.num_stages,
         )
 
-    _run(launch, tiling, dq_tiling(group, block_dk, block_dv, sel_block, q.dtype))
+    launch_tiling(launch, tiling, dq_tiling(group, block_dk, block_dv, sel_block, q.dtype))
     return dq, delta
 
 
@@ -485,14 +482,10 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
-    if dkdv_launch is None:
-        heuristic = dkdv_tiling(group, block_dk, block_dv, sel_block, q.dtype)
-        launch_with_fallback(launch, heuristic, smaller_dkdv_tilings(heuristic, min_cols))
-    else:
-        if dkdv_launch.block_cols < group:
-            raise ValueError(f"dkdv_launch.block_cols ({dkdv_launch.block_cols}) must hold one query's "
-                             f"{group} heads")
-        launch(dkdv_launch)
+    if dkdv_launch is not None and dkdv_launch.block_cols < group:
+        raise ValueError(f"dkdv_launch.block_cols ({dkdv_launch.block_cols}) must hold one query's {group} heads")
+    launch_tiling(launch, dkdv_launch, dkdv_tiling(group, block_dk, block_dv, sel_block, q.dtype),
+                  lambda heuristic: smaller_dkdv_tilings(heuristic, min_cols))
     if index.split_key.numel():  # every key; those with an empty slot range write nothing
         rows = key_tile_rows(sel_block, 32)
         _slot_reduce_kernel[(index.split_key.numel(), math.ceil(sel_block / rows))](
@@ -505,10 +498,3 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
         )
     return dk, dv
 
-
-def _run(launch: Callable[[L], None], tiling: L | None, heuristic: L) -> None:
-    """An explicit tiling is launched as given; the heuristic one may shrink (launch_with_fallback)."""
-    if tiling is None:
-        launch_with_fallback(launch, heuristic)
-    else:
-        launch(tiling)

@@ -67,7 +67,7 @@ from ..documents import Documents
 from ..numerics import LOG2E
 from ..scoring import pool_eq9
 from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, key_tile_logits, key_tile_span,
-                     launch_with_fallback, padded, range_tiling, smaller_range_tilings)
+                     launch_tiling, padded, range_tiling, smaller_range_tilings)
 from .range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges, range_logsumexp2,
                               sequence_ranges)
 
@@ -144,7 +144,8 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor 
     base-2 log-sum-exp (range_attention_lse2 / range_logsumexp2), unused with logits=True.
     out: an fp32 [B, TQ, Hkv, width] tensor with a contiguous last dim to write instead of a new zeroed one; its
     entries past each row's range are left as they are (the fused top-n kernel reads only each row's range, so
-    the scorer skips the zero fill)."""
+    the scorer skips the zero fill). tiling: launched as given (the probes time it); default the launch table's,
+    shrunk if the GPU lacks the resources (common.launch_tiling)."""
     B, TQ, Hq, dk = q.shape
     N, Hkv = k_cmp.shape[1], k_cmp.shape[2]
     group = Hq // Hkv
@@ -175,8 +176,7 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor 
             INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    first = tiling or range_tiling(padded(dk), padded(dk), q.dtype, "scores")
-    launch_with_fallback(launch, first, smaller_range_tilings(first))
+    launch_tiling(launch, tiling, range_tiling(padded(dk), padded(dk), q.dtype, "scores"), smaller_range_tilings)
     return out
 
 

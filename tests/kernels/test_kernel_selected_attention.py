@@ -9,6 +9,7 @@ write shows up. The GPU part lives in test_kernel_selected_attention_gpu.py.
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -454,6 +455,55 @@ def test_launch_fallback_shrinks_tiles_on_out_of_resources() -> None:
 
     with pytest.raises(RuntimeError, match="not a resource"):
         launch_with_fallback(broken, Tiling(block_n=64, num_warps=4, num_stages=3))
+
+
+@pytest.mark.parametrize("kernel", ["range forward", "range dq", "range dk/dv", "group scores", "selected forward"])
+def test_a_given_tiling_is_launched_as_given(kernel: str, monkeypatch) -> None:
+    """A tiling passed to a kernel wrapper is the launch: a GPU that cannot fit it raises, with no smaller tiling
+    tried (a probe timing it must not time another in its name; without one, the heuristic tiling shrinks:
+    launch_with_fallback, tested above)."""
+    from optimized.kernels import range_attention, range_attention_bwd, selection
+    from optimized.kernels.common import RangeTiling
+
+    launched = []
+
+    class ShortOfMemory:  # stands in for a Triton kernel whose every launch needs more than the GPU has
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append((kwargs.get("BLOCK_M"), kwargs["BLOCK_N"], kwargs["num_stages"]))
+                raise OutOfResources(247808, 232448, "shared memory")
+            return run
+
+    B, T, Hq, Hkv, d = 1, 32, 2, 1, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, d, generator=g) for h in (Hq, Hkv, Hkv))
+    lo = torch.zeros(T, dtype=torch.int32)
+    hi = torch.arange(T, dtype=torch.int32)
+    o, lse2 = range_attention.range_attention_forward(q, k, v, lo, hi, 0.25)
+    name = {"range forward": (range_attention, "_range_attention_fwd_kernel"),
+            "range dq": (range_attention_bwd, "_range_attention_dq_kernel"),
+            "range dk/dv": (range_attention_bwd, "_range_attention_dkdv_kernel"),
+            "group scores": (selection, "_group_scores_kernel"),
+            "selected forward": (sys.modules[selected_attention_forward.__module__],
+                                 "_selected_attention_fwd_kernel")}
+    monkeypatch.setattr(*name[kernel], ShortOfMemory())
+    idx = torch.zeros(B, T, Hkv, 1, dtype=torch.int64)
+
+    def call(tiling):
+        if kernel == "range forward":
+            return range_attention.range_attention_forward(q, k, v, lo, hi, 0.25, tiling=tiling)
+        if kernel == "group scores":
+            return selection.group_scores(q, k, lo, hi, lse2, T, 0.25, tiling=tiling)
+        if kernel == "selected forward":
+            return selected_attention_forward(q, k, v, idx, 16, 0.25, tiling=tiling)
+        tilings = {"dq_tiling": tiling} if kernel == "range dq" else {"dkdv_tiling": tiling}
+        return range_attention_bwd.range_attention_backward(q, k, v, lo, hi, o, lse2, torch.randn_like(o), 0.25,
+                                                            **tilings)
+
+    given = Tiling(16, 4, 2) if kernel == "selected forward" else RangeTiling(32, 16, 4, 2)
+    with pytest.raises(OutOfResources):
+        call(given)
+    assert launched == [(given.block_m if kernel != "selected forward" else None, given.block_n, given.num_stages)]
 
 
 def test_dkdv_fallback_shrinks_stages_then_columns_then_key_rows() -> None:
