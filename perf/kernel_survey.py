@@ -142,6 +142,16 @@ def pointers(kernel) -> dict:
     return {name: kind for name, kind in PREFILL_POINTERS.items() if name in params}
 
 
+# (heads per KV group, d_k, d_v) of the prefill launches surveyed: the paper sweep's layout, prod-125m's and the
+# paper's own head dims (NSAConfig's defaults)
+PREFILL_LAYOUTS = ((16, 128, 128), (6, 64, 64), (16, 192, 128))
+
+
+def layout_name(group: int, dk: int, dv: int) -> str:
+    """How a case names its layout: "G=16 d=128", or "G=16 d_k=192 d_v=128" where the head dims differ."""
+    return f"G={group} d={dk}" if dk == dv else f"G={group} d_k={dk} d_v={dv}"
+
+
 def prefill_cases() -> list[Case]:
     """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
     (16 heads per KV group, d_k = d_v = 128, and the paper's own d_k = 192 / d_v = 128) and prod-125m's (6 per
@@ -154,11 +164,11 @@ def prefill_cases() -> list[Case]:
     import torch
 
     cases = []
-    for group, dk, dv in ((16, 128, 128), (6, 64, 64), (16, 192, 128)):
+    for group, dk, dv in PREFILL_LAYOUTS:
         bdk, bdv = padded(dk), padded(dv)
         dims = dict(DK=dk, BLOCK_DK=bdk, DOT_FP32=False, INPUT_PRECISION="ieee")
         attn = dict(GROUP=group, DV=dv, BLOCK_DV=bdv, **dims)
-        layout = f"G={group} d={dk}" if dk == dv else f"G={group} d_k={dk} d_v={dv}"
+        layout = layout_name(group, dk, dv)
 
         def tiles(kind: str):
             t = range_tiling(bdk, bdk if kind == "scores" else bdv, torch.bfloat16, kind)
@@ -222,8 +232,8 @@ def selected_cases() -> list[Case]:
 
     cases = []
     sel_block = 64
-    for group, dk, dv in ((16, 128, 128), (6, 64, 64), (16, 192, 128)):
-        layout = f"G={group} d={dk}" if dk == dv else f"G={group} d_k={dk} d_v={dv}"
+    for group, dk, dv in PREFILL_LAYOUTS:
+        layout = layout_name(group, dk, dv)
         bdk, bdv = padded(dk), padded(dv)
         width = max(bdk, bdv)
         dq_h, dq_axis, head_rows, copies = dq_head_tile(group, True, width)  # as the launches take them
