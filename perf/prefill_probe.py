@@ -119,11 +119,15 @@ def probe_scores(x: dict, rows: int, scale: float, rep_ms: int) -> list[dict]:
     for shape in SCORE_TILINGS:
         t = _tiling(shape)
         row = {"probe": "scores", "tiling": list(shape), "default": t == default, "rows": T - r0}
-        p, error = launched(lambda: group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t))
+
+        def run():
+            return group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t)
+
+        p, error = launched(run)
         if error is not None:  # a tile this GPU cannot launch: the row says so
             out.append({**row, "ms": None, "error": error})
             continue
-        ms = bench_ms(lambda: group_scores(qr, k_cmp, lo, hi, lse2, width, scale, tiling=t), rep_ms)
+        ms = bench_ms(run, rep_ms)
         out.append({**row, "ms": ms, "tflops": flops / ms / 1e9,
                     "max_abs_diff_vs_default": float((p - reference).abs().max())})
     return out
@@ -173,12 +177,16 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
         for shape in RANGE_TILINGS:
             t = _tiling(shape)
             row = {"probe": "range", "branch": branch, "tiling": list(astuple(t)), "default": t == default}
-            result, error = launched(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t))
+
+            def run():
+                return range_attention_forward(q, k, v, lo, hi, scale, tiling=t)
+
+            result, error = launched(run)
             if error is not None:
                 out.append({**row, "ms": None, "error": error})
                 continue
             o = result[0]
-            ms = bench_ms(lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t), rep_ms)
+            ms = bench_ms(run, rep_ms)
             out.append({**row, "ms": ms, "tflops": flops / ms / 1e9,
                         "max_abs_diff_vs_default": float((o.float() - reference.float()).abs().max())})
             del o, result

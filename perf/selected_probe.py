@@ -22,6 +22,7 @@ blocks 0..n-1 (the same tiles for every program, all L2 hits).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Iterator
 
@@ -182,12 +183,13 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
         for t in dict.fromkeys(tilings):  # the default first: the others are compared with its result
             row = {"probe": "selected", "kernel": kernel, "tiling": [t.block_n, t.num_warps, t.num_stages],
                    "default": t == default}
-            result, error = launched(lambda: runs[kernel](t))
+            run = functools.partial(runs[kernel], t)
+            result, error = launched(run)
             if error is not None:  # a launch setting this GPU cannot run: a row that says so
                 yield {**row, "ms": None, "error": error}
                 continue
             reference = result if reference is None else reference
-            ms = bench_ms(lambda: runs[kernel](t), rep_ms)
+            ms = bench_ms(run, rep_ms)
             yield {**row, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
                    "max_abs_diff_vs_default": None if kernel == "gather" else _diff(result, reference)}
     reference = None
@@ -196,14 +198,16 @@ def probe(x: dict, rep_ms: int) -> Iterator[dict]:
     for t in dict.fromkeys(tilings):
         row = {"probe": "selected", "kernel": "dkdv", "tiling": [t.block_n, t.block_cols, t.num_warps, t.num_stages],
                "default": t == dkdv_default}
-        result, error = launched(
-            lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t))
+
+        def run():
+            return selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t)
+
+        result, error = launched(run)
         if error is not None:
             yield {**row, "ms": None, "error": error}
             continue
         reference = result if reference is None else reference
-        ms = bench_ms(lambda: selected_attention_backward_dkdv(q, k, v, idx, stats, delta, do, SEL_BLOCK, scale, t),
-                    rep_ms)
+        ms = bench_ms(run, rep_ms)
         yield {**row, "ms": ms, "gathered_gb": gb, "gb_per_s": gb / ms * 1e3,
                "max_abs_diff_vs_default": _diff(result, reference)}
 
