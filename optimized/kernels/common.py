@@ -361,26 +361,28 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # 8: a quarter of each tile is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that
 # width keeps one head. At that width the forward and dq take three stages (prod-125m's window and compressed
 # ranges at 16k x 1 and 2k x 8: forward -3 to -4%, dq -4 to -9% against two; perf/NOTES.md).
-# At the paper's own d_k = 192 / d_v = 128 (padded 256 + 128 = 384; the scores kernel reads d_k twice, 512), the
-# tiles measured fastest at 16k tokens on an H100, against the earlier entries, ms for the compressed / window
-# branch (perf/NOTES.md): forward with the group's 16 heads per tile 1.30 / 1.45 -> 1.26 / 1.31; dq on 64-row tiles
-# (whole backward with the earlier dk/dv) 15.6 / 15.8 -> 10.0 / 10.4; dk/dv with 16 rows a step on 4 warps 15.6 /
-# 15.8 -> 13.3 / 13.4; scores 0.94 -> 0.70.
+# At the paper's own d_k = 192 / d_v = 128 (padded 256 + 128 = 384; the scores kernel reads d_k twice, 512): dk/dv
+# with 16 rows a step on 4 warps (the fastest at 16k tokens on an H100: 15.6 / 15.8 -> 13.3 / 13.4 ms of the whole
+# compressed / window backward against the earlier 64 x 32 on 8 warps); forward, dq and scores from a sweep at 64k
+# tokens, each confirmed at 8k and 16k (perf/NOTES.md): the forward on 3 stages (64k 16.4 / 5.2 -> 15.9 / 5.0 ms),
+# dq on 64 x 64 tiles of the group's 16 heads (64k whole backward 104.1 / 31.8 -> 92.4 / 28.1, 16k 7.7 / 8.1 -> 7.0
+# / 7.1; 8 bytes of stack under Triton 3.7), scores on 3 stages (64k 3.44 -> 3.04 over 8k rows).
 # "lse": the forward kernel's lse-only pass (the selection's normaliser where the compressed branch did not run)
 # keeps the forward's earlier tiles: with the head-packed tile, the 64k select stage (`python -m perf run`), which
 # runs that pass, took 2 ms longer.
 _RANGE_TABLE = {
-    "forward": ((128, (128, 64, 8, 3)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 2, 16)), (512, (64, 32, 8, 2))),
+    "forward": ((128, (128, 64, 8, 3)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 3, 16)), (512, (64, 32, 8, 2))),
     "lse": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
-    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (64, 32, 8, 2)), (512, (32, 32, 8, 2))),
+    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (64, 64, 8, 2, 16)), (512, (32, 32, 8, 2))),
     "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (16, 64, 4, 2)), (512, (32, 16, 8, 2))),
-    "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (128, 32, 8, 2))),
+    "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (128, 32, 8, 3))),
 }
 # Bytes of stack per thread a _RANGE_TABLE entry (kind, largest BLOCK_DK + BLOCK_DV) was measured fastest with, where
 # it spills; perf.kernel_survey --require-no-spill holds the d = 64, d = 128 and d_k = 192 / d_v = 128 entries to
 # this (0 where not listed). The d_k = 192 dk/dv at 16 rows a step on 4 warps spills 184 bytes under Triton 3.7 and
-# was the fastest measured (the earlier 64-row, 8-warp tile spills nothing and took 1.2x as long).
-RANGE_MEASURED_STACK = {("dkdv", 256): 8, ("dkdv", 384): 184}
+# was the fastest measured (the earlier 64-row, 8-warp tile spills nothing and took 1.2x as long); its dq on 64 x 64
+# tiles spills 8 bytes and was 9-12% faster than the 64 x 32 one-head tile, which spills nothing.
+RANGE_MEASURED_STACK = {("dkdv", 256): 8, ("dq", 384): 8, ("dkdv", 384): 184}
 
 
 def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:
