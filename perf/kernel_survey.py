@@ -156,7 +156,7 @@ def prefill_cases() -> list[Case]:
     """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
     (16 heads per KV group, d_k = d_v = 128, and the paper's own d_k = 192 / d_v = 128) and prod-125m's (6 per
     group, d = 64): the group-scores kernel, the range forward, dq (consistent D) and dk/dv."""
-    from optimized.kernels.common import RANGE_MEASURED_STACK, packed_heads, padded, range_tiling
+    from optimized.kernels.common import RANGE_MEASURED_STACK, head_dim_tiles, packed_heads, padded, range_tiling
     from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
     from optimized.kernels.selection import _group_scores_kernel
@@ -166,7 +166,8 @@ def prefill_cases() -> list[Case]:
     cases = []
     for group, dk, dv in PREFILL_LAYOUTS:
         bdk, bdv = padded(dk), padded(dv)
-        dims = dict(DK=dk, BLOCK_DK=bdk, DOT_FP32=False, INPUT_PRECISION="ieee")
+        first, second = head_dim_tiles(dk)  # as the launches read the head dim
+        dims = dict(DK=dk, BLOCK_DK=first, BLOCK_DK2=second, DOT_FP32=False, INPUT_PRECISION="ieee")
         attn = dict(GROUP=group, DV=dv, BLOCK_DV=bdv, **dims)
         layout = layout_name(group, dk, dv)
 

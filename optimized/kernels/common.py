@@ -62,6 +62,20 @@ def padded(n: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(n))
 
 
+def head_dim_tiles(d: int) -> tuple[int, int]:
+    """(BLOCK_DK, BLOCK_DK2): the tiles the range kernels read a q/k head dim in. One power-of-two tile (padded(d),
+    0), or two where d is wider than a power of two p >= 16 and p plus the padded rest is narrower than padded(d):
+    192 = 128 + 64, 96 = 64 + 32, 48 = 32 + 16 are read as two exact tiles instead of one padded to 256, 128, 64, so
+    no dot multiplies a quarter of zeros and the dq and dk accumulators hold a quarter fewer columns."""
+    full = padded(d)
+    first = full // 2
+    if first >= MIN_DOT and d > first:
+        second = padded(d - first)
+        if first + second < full:
+            return first, second
+    return full, 0
+
+
 MIN_DOT_COLUMNS = 8  # the tensor cores' narrowest N: a dot's columns pad to 8, its rows (M) to 16
 
 
@@ -361,28 +375,27 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # 8: a quarter of each tile is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that
 # width keeps one head. At that width the forward and dq take three stages (prod-125m's window and compressed
 # ranges at 16k x 1 and 2k x 8: forward -3 to -4%, dq -4 to -9% against two; perf/NOTES.md).
-# At the paper's own d_k = 192 / d_v = 128 (padded 256 + 128 = 384; the scores kernel reads d_k twice, 512): dk/dv
-# with 16 rows a step on 4 warps (the fastest at 16k tokens on an H100: 15.6 / 15.8 -> 13.3 / 13.4 ms of the whole
-# compressed / window backward against the earlier 64 x 32 on 8 warps); forward, dq and scores from a sweep at 64k
-# tokens, each confirmed at 8k and 16k (perf/NOTES.md): the forward on 3 stages (64k 16.4 / 5.2 -> 15.9 / 5.0 ms),
-# dq on 64 x 64 tiles of the group's 16 heads (64k whole backward 104.1 / 31.8 -> 92.4 / 28.1, 16k 7.7 / 8.1 -> 7.0
-# / 7.1; 8 bytes of stack under Triton 3.7), scores on 3 stages (64k 3.44 -> 3.04 over 8k rows).
+# At the paper's own d_k = 192 / d_v = 128 (looked up as padded 256 + 128 = 384; the scores kernel reads d_k twice,
+# 512), measured with d_k read as 128 + 64 (head_dim_tiles) at 16k and 64k tokens on an H100 (perf/NOTES.md): the
+# forward on 3 stages with the group's 16 heads per tile; dq on 128 x 32 tiles of the 16 heads (whole compressed /
+# window backward at 64k 84.0 / 23.5 -> 69.1 / 18.9 ms against 64 x 64, 16k 6.20 / 5.88 -> 5.18 / 4.78); dk/dv with
+# the 16 heads in 16-column steps on 3 stages (64k 83.4 / 23.4 -> 71.6 / 23.8, 16k 6.20 / 5.88 -> 5.19 / 5.57
+# against one head on 2 stages); scores 128 x 64 (64k 2.56 -> 2.29 ms over 8k rows).
 # "lse": the forward kernel's lse-only pass (the selection's normaliser where the compressed branch did not run)
 # keeps the forward's earlier tiles: with the head-packed tile, the 64k select stage (`python -m perf run`), which
 # runs that pass, took 2 ms longer.
 _RANGE_TABLE = {
     "forward": ((128, (128, 64, 8, 3)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 3, 16)), (512, (64, 32, 8, 2))),
     "lse": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
-    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (64, 64, 8, 2, 16)), (512, (32, 32, 8, 2))),
-    "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (16, 64, 4, 2)), (512, (32, 16, 8, 2))),
-    "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (128, 32, 8, 3))),
+    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (128, 32, 8, 2, 16)), (512, (32, 32, 8, 2))),
+    "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (16, 64, 4, 3, 16)), (512, (32, 16, 8, 2))),
+    "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (128, 64, 8, 2))),
 }
 # Bytes of stack per thread a _RANGE_TABLE entry (kind, largest BLOCK_DK + BLOCK_DV) was measured fastest with, where
 # it spills; perf.kernel_survey --require-no-spill holds the d = 64, d = 128 and d_k = 192 / d_v = 128 entries to
-# this (0 where not listed). The d_k = 192 dk/dv at 16 rows a step on 4 warps spills 184 bytes under Triton 3.7 and
-# was the fastest measured (the earlier 64-row, 8-warp tile spills nothing and took 1.2x as long); its dq on 64 x 64
-# tiles spills 8 bytes and was 9-12% faster than the 64 x 32 one-head tile, which spills nothing.
-RANGE_MEASURED_STACK = {("dkdv", 256): 8, ("dq", 384): 8, ("dkdv", 384): 184}
+# this (0 where not listed). The d_k = 192 dq on 128 x 32 tiles spills 48 bytes under Triton 3.7 and its dk/dv 8;
+# both were the fastest measured (dq 16-20% faster than the 64 x 64 tile, which spills nothing).
+RANGE_MEASURED_STACK = {("dkdv", 256): 8, ("dq", 384): 48, ("dkdv", 384): 8}
 
 
 def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:
@@ -485,6 +498,20 @@ def key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP
         s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
     else:
         s = tl.dot(q, kT)
+    return s
+
+
+@triton.jit
+def key_tile_logits_added(s, q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, DOT_FP32: tl.constexpr,
+                          INPUT_PRECISION: tl.constexpr):
+    """s plus q2 [M, BLOCK_DK2] times the key tile's columns offs_dk2: the logits of a head dim read in two tiles
+    (head_dim_tiles), the second part accumulated onto the first in the dot."""
+    kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk2[:, None],
+                 mask=key_ok[None, :] & dk_mask2[:, None], other=0.0)
+    if DOT_FP32:
+        s = tl.dot(q2, kT.to(tl.float32), s, input_precision=INPUT_PRECISION)
+    else:
+        s = tl.dot(q2, kT, s)
     return s
 
 

@@ -12,7 +12,9 @@ Forward grid (query tile, KV head x head part, batch), FlashAttention-2 style: a
 HEADS = 1: BLOCK_M rows of one head), so each key tile it loads serves every head of the tile. It loads its q tile
 once, walks the key tiles covering the union of its rows' ranges (tile starts aligned to multiples of BLOCK_N, so a
 row's arithmetic does not depend on which rows share its program), masks each element by its row's range, and
-keeps an online softmax in fp32 (base 2). GQA: head h reads KV head h // GROUP.
+keeps an online softmax in fp32 (base 2). GQA: head h reads KV head h // GROUP. A q/k head dim such as the paper's
+d_k = 192 is read in two exact tiles (128 + 64, common.head_dim_tiles) rather than one padded to 256: the logits
+are the first tile's dot with the second's accumulated onto it (BLOCK_DK2; the scores kernel does the same).
 
 Outputs o [B, TQ, Hq, dv] (input dtype) and lse2 [B, TQ, Hq] fp32, the base-2 log-sum-exp of the scaled
 logits (s * scale * log2(e)); -inf for an empty row. With WITH_OUTPUT=False only lse2 is computed (no V loads,
@@ -40,8 +42,9 @@ from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from ..documents import Documents
 from ..numerics import LN2, LOG2E
-from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_packed_grid, head_packed_rows, interpreting,
-                     key_tile_logits, key_tile_span, launch_tiling, padded, range_tiling, smaller_range_tilings)
+from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_dim_tiles, head_packed_grid, head_packed_rows,
+                     interpreting, key_tile_logits, key_tile_logits_added, key_tile_span, launch_tiling, padded,
+                     range_tiling, smaller_range_tilings)
 from .range_attention_bwd import range_attention_backward
 
 
@@ -57,6 +60,7 @@ def _range_attention_fwd_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEADS: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_DK2: tl.constexpr,
 ):
     # 64-bit offsets everywhere (T >= 64k, Hq * d large). Tile rows are (query row, head) pairs of one KV group.
     offs_m, h, row_mask, kvh = head_packed_rows(n_queries, GROUP, HEADS, BLOCK_M)
@@ -75,6 +79,13 @@ def _range_attention_fwd_kernel(
                 mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles)
+        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk_mask2 = offs_dk2 < DK
+        q2 = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk2[None, :],
+                     mask=row_mask[:, None] & dk_mask2[None, :], other=0.0)
+        if DOT_FP32:
+            q2 = q2.to(tl.float32)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
@@ -86,6 +97,9 @@ def _range_attention_fwd_kernel(
         keys = start_n + offs_n
         key_ok = keys < n_keys
         s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32, INPUT_PRECISION)
+        if BLOCK_DK2 > 0:
+            s = key_tile_logits_added(s, q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, DOT_FP32,
+                                      INPUT_PRECISION)
         in_range = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
         s = tl.where(in_range, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -131,6 +145,7 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
         return o, lse2
     dot_fp32, precision = dot_settings(q.dtype)
     vv, oo = (v, o) if with_output else (k, lse2)  # placeholders the kernel never touches without output
+    block_dk, block_dk2 = head_dim_tiles(dk)
 
     def launch(t: RangeTiling) -> None:
         grid, heads = head_packed_grid(t, TQ, Hq, Hkv, B)
@@ -143,8 +158,8 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
             lse2.stride(0), lse2.stride(1),
             TQ, TK, scale * LOG2E,
             GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), HEADS=heads, WITH_OUTPUT=with_output, DOT_FP32=dot_fp32,
-            INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
+            BLOCK_DK=block_dk, BLOCK_DK2=block_dk2, BLOCK_DV=padded(dv), HEADS=heads, WITH_OUTPUT=with_output,
+            DOT_FP32=dot_fp32, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     launch_tiling(launch, tiling, range_tiling(padded(dk), padded(dv), q.dtype, "forward" if with_output else "lse"),

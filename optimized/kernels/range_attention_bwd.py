@@ -23,6 +23,8 @@ back), dP = dO V^T, dS = P * (dP - delta), and
   in its pass, corrects dq to D = D0 sum P + sum P (dP - D0) and stores that D for the dk/dv kernel. In half
   precision sum P k is a bf16 tensor-core dot (P rounded: its error enters dq multiplied by the small D - D0); an
   exact fp32 dot on CUDA cores would be much slower. perf/NOTES.md has the measurements behind these choices.
+A head dim read in two tiles (common.head_dim_tiles, BLOCK_DK2 > 0) keeps each q, k, dq, dk and sum P k tile in two
+parts, the logits summed over both.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..device_tables import capturing
 from ..numerics import LOG2E
-from .common import (RangeTiling, compensated_add, dot_settings, head_packed_grid, head_packed_rows, key_tile_span,
-                     launch_tiling, packed_heads, padded, range_tiling, row_pass_shape, row_view,
-                     smaller_range_tilings)
+from .common import (RangeTiling, compensated_add, dot, dot_settings, head_dim_tiles, head_packed_grid,
+                     head_packed_rows, key_tile_span, launch_tiling, packed_heads, padded, range_tiling,
+                     row_pass_shape, row_view, smaller_range_tilings)
 
 
 @triton.jit
@@ -53,8 +55,10 @@ def _range_attention_dq_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEADS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, CONSISTENT_D: tl.constexpr,
+    BLOCK_DK2: tl.constexpr,
 ):
-    # tile rows are (query row, head) pairs of one KV group, as in the forward
+    # tile rows are (query row, head) pairs of one KV group, as in the forward; a head dim read in two tiles
+    # (common.head_dim_tiles) keeps its second part (q2, k2, dq2, pk2) beside the first
     offs_m, h, row_mask, kvh = head_packed_rows(n_queries, GROUP, HEADS, BLOCK_M)
     b = tl.program_id(2).to(tl.int64)
 
@@ -76,6 +80,15 @@ def _range_attention_dq_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    if BLOCK_DK2 > 0:
+        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk_mask2 = offs_dk2 < DK
+        q2 = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk2[None, :],
+                     mask=row_mask[:, None] & dk_mask2[None, :], other=0.0)
+        if DOT_FP32:
+            q2 = q2.to(tl.float32)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_DK2], dtype=tl.float32)
+        pk2 = tl.zeros([BLOCK_M, BLOCK_DK2], dtype=tl.float32)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
@@ -90,35 +103,40 @@ def _range_attention_dq_kernel(
                     mask=key_ok[:, None] & dk_mask[None, :], other=0.0)
         v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vt + offs_dv[None, :],
                     mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=INPUT_PRECISION)
-            dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision=INPUT_PRECISION)
-        else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
+        if BLOCK_DK2 > 0:
+            k2 = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kt + offs_dk2[None, :],
+                         mask=key_ok[:, None] & dk_mask2[None, :], other=0.0)
+        s = dot(q, tl.trans(k), DOT_FP32, INPUT_PRECISION)
+        if BLOCK_DK2 > 0:
+            s += dot(q2, tl.trans(k2), DOT_FP32, INPUT_PRECISION)
+        dp = dot(do, tl.trans(v), DOT_FP32, INPUT_PRECISION)
         in_range = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
         p = tl.where(in_range, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
-        if DOT_FP32:  # dS enters the dot rounded to the input dtype, as on the GPU (a no-op for fp32)
-            dq += tl.dot(ds.to(k.dtype).to(tl.float32), k.to(tl.float32), input_precision=INPUT_PRECISION)
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
+        # dS enters the dot rounded to the input dtype, as on the GPU (with DOT_FP32 a no-op for fp32)
+        dq += dot(ds.to(k.dtype), k, DOT_FP32, INPUT_PRECISION)
+        if BLOCK_DK2 > 0:
+            dq2 += dot(ds.to(k.dtype), k2, DOT_FP32, INPUT_PRECISION)
         if CONSISTENT_D:
             sum_p += tl.sum(p, 1)
             shift += tl.sum(ds, 1)
             # sum P k only corrects dq by the small D - D0, so half precision takes it on the tensor cores with P
             # rounded to the input dtype (a second-order error); fp32 inputs keep the exact fp32 dot
-            if DOT_FP32:
-                pk += tl.dot(p.to(k.dtype).to(tl.float32), k.to(tl.float32), input_precision=INPUT_PRECISION)
-            else:
-                pk += tl.dot(p.to(k.dtype), k)
+            pk += dot(p.to(k.dtype), k, DOT_FP32, INPUT_PRECISION)
+            if BLOCK_DK2 > 0:
+                pk2 += dot(p.to(k.dtype), k2, DOT_FP32, INPUT_PRECISION)
     if CONSISTENT_D:
         d_row = delta * sum_p + shift  # = sum_s P_s dP_s with this kernel's P and dP
         dq = dq - (d_row - delta)[:, None] * pk
+        if BLOCK_DK2 > 0:
+            dq2 = dq2 - (d_row - delta)[:, None] * pk2
         tl.store(DELTA + b * stride_lb + offs_m * stride_lt + h, d_row, mask=row_mask)
-    dq = dq * scale
-    tl.store(DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h[:, None] * stride_dqh + offs_dk[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_mask[:, None] & dk_mask[None, :])
+    dq_rows = DQ + b * stride_dqb + offs_m[:, None] * stride_dqt + h[:, None] * stride_dqh
+    tl.store(dq_rows + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_mask[:, None] & dk_mask[None, :])
+    if BLOCK_DK2 > 0:
+        tl.store(dq_rows + offs_dk2[None, :], (dq2 * scale).to(DQ.dtype.element_ty),
+                 mask=row_mask[:, None] & dk_mask2[None, :])
 
 
 @triton.jit
@@ -135,6 +153,7 @@ def _range_attention_dkdv_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEADS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
+    BLOCK_DK2: tl.constexpr,
 ):
     # program (key tile, KV head x split part, batch): part `split` of the key tile's reading rows, written to
     # slot `split` of DKEY/DVAL (the fp32 workspace when n_split > 1, summed by the wrapper in a fixed order).
@@ -169,6 +188,15 @@ def _range_attention_dkdv_kernel(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): k2, q2, dkey2 beside the first
+        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk_mask2 = offs_dk2 < DK
+        k2 = tl.load(K + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh + offs_dk2[None, :],
+                     mask=key_ok[:, None] & dk_mask2[None, :], other=0.0)
+        if DOT_FP32:
+            k2 = k2.to(tl.float32)
+        dkey2 = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
+        dkey2_comp = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
     q_first = tl.load(QFIRST + pid_n)
     q_last = tl.load(QLAST + pid_n)
     aligned = (q_first // ROWS) * ROWS
@@ -195,16 +223,17 @@ def _range_attention_dkdv_kernel(
             hi = tl.load(HI + rows64, mask=col_ok, other=-1)
             q = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh
                         + offs_dk[None, :], mask=col_ok[:, None] & dk_mask[None, :], other=0.0)
+            if BLOCK_DK2 > 0:
+                q2 = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh
+                             + offs_dk2[None, :], mask=col_ok[:, None] & dk_mask2[None, :], other=0.0)
             do = tl.load(DO + b * stride_dob + rows64[:, None] * stride_dot + heads64[:, None] * stride_doh
                          + offs_dv[None, :], mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
             lse2 = tl.load(LSE2 + b * stride_lb + rows64 * stride_lt + heads64, mask=col_ok, other=0.0)
             delta = tl.load(DELTA + b * stride_lb + rows64 * stride_lt + heads64, mask=col_ok, other=0.0)
-            if DOT_FP32:
-                sT = tl.dot(k, tl.trans(q.to(tl.float32)), input_precision=INPUT_PRECISION)
-                dpT = tl.dot(v, tl.trans(do.to(tl.float32)), input_precision=INPUT_PRECISION)
-            else:
-                sT = tl.dot(k, tl.trans(q))
-                dpT = tl.dot(v, tl.trans(do))
+            sT = dot(k, tl.trans(q), DOT_FP32, INPUT_PRECISION)
+            if BLOCK_DK2 > 0:
+                sT += dot(k2, tl.trans(q2), DOT_FP32, INPUT_PRECISION)
+            dpT = dot(v, tl.trans(do), DOT_FP32, INPUT_PRECISION)
             in_range = (keys[:, None] >= lo[None, :]) & (keys[:, None] <= hi[None, :])
             pT = tl.where(in_range, tl.exp2(sT * scale_log2 - lse2[None, :]), 0.0)
             dsT = pT * (dpT - delta[None, :])
@@ -213,16 +242,22 @@ def _range_attention_dkdv_kernel(
                                                                            input_precision=INPUT_PRECISION))
                 dkey, dkey_comp = compensated_add(dkey, dkey_comp, tl.dot(dsT, q.to(tl.float32),
                                                                            input_precision=INPUT_PRECISION))
-            elif DOT_FP32:  # P and dS enter the dots rounded to the input dtype, as on the GPU
-                dval += tl.dot(pT.to(do.dtype).to(tl.float32), do.to(tl.float32), input_precision=INPUT_PRECISION)
-                dkey += tl.dot(dsT.to(q.dtype).to(tl.float32), q.to(tl.float32), input_precision=INPUT_PRECISION)
-            else:
-                dval += tl.dot(pT.to(do.dtype), do)
-                dkey += tl.dot(dsT.to(q.dtype), q)
-    dkey = (dkey - dkey_comp) * scale
+                if BLOCK_DK2 > 0:
+                    dkey2, dkey2_comp = compensated_add(dkey2, dkey2_comp, tl.dot(dsT, q2.to(tl.float32),
+                                                                                  input_precision=INPUT_PRECISION))
+            else:  # P and dS enter the dots rounded to the input dtype (with DOT_FP32 as on the GPU)
+                dval += dot(pT.to(do.dtype), do, DOT_FP32, INPUT_PRECISION)
+                dkey += dot(dsT.to(q.dtype), q, DOT_FP32, INPUT_PRECISION)
+                if BLOCK_DK2 > 0:
+                    dkey2 += dot(dsT.to(q.dtype), q2, DOT_FP32, INPUT_PRECISION)
+    dkey_rows = (DKEY + split.to(tl.int64) * stride_dks + b * stride_dkb + keys64[:, None] * stride_dkt
+                 + kvh * stride_dkh)
+    tl.store(dkey_rows + offs_dk[None, :], ((dkey - dkey_comp) * scale).to(DKEY.dtype.element_ty),
+             mask=key_ok[:, None] & dk_mask[None, :])
+    if BLOCK_DK2 > 0:
+        tl.store(dkey_rows + offs_dk2[None, :], ((dkey2 - dkey2_comp) * scale).to(DKEY.dtype.element_ty),
+                 mask=key_ok[:, None] & dk_mask2[None, :])
     dval = dval - dval_comp
-    tl.store(DKEY + split.to(tl.int64) * stride_dks + b * stride_dkb + keys64[:, None] * stride_dkt + kvh * stride_dkh
-             + offs_dk[None, :], dkey.to(DKEY.dtype.element_ty), mask=key_ok[:, None] & dk_mask[None, :])
     tl.store(DVAL + split.to(tl.int64) * stride_dvs + b * stride_dvb + keys64[:, None] * stride_dvt + kvh * stride_dvh
              + offs_dv[None, :], dval.to(DVAL.dtype.element_ty), mask=key_ok[:, None] & dv_mask[None, :])
 
@@ -382,8 +417,9 @@ def _launch_arguments(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse2: Tensor)
     """The constexprs and input strides the dq and dk/dv launches share."""
     Hq, dk, Hkv, dv = q.shape[2], q.shape[3], k.shape[2], v.shape[-1]
     dot_fp32, precision = dot_settings(q.dtype)
-    common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=padded(dk), BLOCK_DV=padded(dv), DOT_FP32=dot_fp32,
-                  INPUT_PRECISION=precision)
+    block_dk, block_dk2 = head_dim_tiles(dk)
+    common = dict(GROUP=Hq // Hkv, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DK2=block_dk2, BLOCK_DV=padded(dv),
+                  DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse2.stride(0), lse2.stride(1))

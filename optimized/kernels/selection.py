@@ -66,8 +66,8 @@ from .. import masks
 from ..documents import Documents
 from ..numerics import LOG2E
 from ..scoring import pool_eq9
-from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, key_tile_logits, key_tile_span,
-                     launch_tiling, padded, range_tiling, smaller_range_tilings)
+from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, head_dim_tiles, key_tile_logits,
+                     key_tile_logits_added, key_tile_span, launch_tiling, padded, range_tiling, smaller_range_tilings)
 from .range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges, range_logsumexp2,
                               sequence_ranges)
 
@@ -87,7 +87,7 @@ def _group_scores_kernel(
     n_queries, n_keys, width, scale_log2, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    LOGITS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    LOGITS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_DK2: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
@@ -108,6 +108,13 @@ def _group_scores_kernel(
                 mask=valid_m[:, None] & dk_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles)
+        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk_mask2 = offs_dk2 < DK
+        q2 = tl.load(Q + b * stride_qb + t_m[:, None] * stride_qt + h_m[:, None] * stride_qh + offs_dk2[None, :],
+                     mask=valid_m[:, None] & dk_mask2[None, :], other=0.0)
+        if DOT_FP32:
+            q2 = q2.to(tl.float32)
     lse2 = tl.load(LSE2 + b * stride_lb + t_m * stride_lt + h_m, mask=valid_m, other=0.0)
 
     # query rows of the output tile
@@ -123,6 +130,9 @@ def _group_scores_kernel(
         keys = start_n + offs_n
         key_ok = keys < n_keys
         s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32, INPUT_PRECISION)
+        if BLOCK_DK2 > 0:
+            s = key_tile_logits_added(s, q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, DOT_FP32,
+                                      INPUT_PRECISION)
         in_range = valid_m[:, None] & (keys[None, :] >= lo_m[:, None]) & (keys[None, :] <= hi_m[:, None])
         if LOGITS:
             term = s * scale
@@ -161,6 +171,7 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor 
     lse2 = torch.zeros((B, TQ, Hq), device=q.device, dtype=torch.float32) if logits else lse2.float().contiguous()
     dot_fp32, precision = dot_settings(q.dtype)
     group_pad = triton.next_power_of_2(group)
+    block_dk, block_dk2 = head_dim_tiles(dk)
 
     def launch(t: RangeTiling) -> None:
         rows = max(1, t.block_m // group_pad)
@@ -172,8 +183,8 @@ def group_scores(q: Tensor, k_cmp: Tensor, lo: Tensor, hi: Tensor, lse2: Tensor 
             out.stride(0), out.stride(1), out.stride(2),
             TQ, N, width, scale * LOG2E, scale,
             GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
-            BLOCK_M=rows * group_pad, DK=dk, BLOCK_N=t.block_n, BLOCK_DK=padded(dk), LOGITS=logits, DOT_FP32=dot_fp32,
-            INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
+            BLOCK_M=rows * group_pad, DK=dk, BLOCK_N=t.block_n, BLOCK_DK=block_dk, BLOCK_DK2=block_dk2, LOGITS=logits,
+            DOT_FP32=dot_fp32, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     launch_tiling(launch, tiling, range_tiling(padded(dk), padded(dk), q.dtype, "scores"), smaller_range_tilings)

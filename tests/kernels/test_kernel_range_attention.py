@@ -156,7 +156,8 @@ def test_cached_reading_rows_are_reused_only_for_the_same_unchanged_ranges(monke
 # The kernels against the dense oracle ------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)], ids=["group3", "group1", "group3-one-kv-head"])
-@pytest.mark.parametrize("dims", [(12, 8), (16, 16)], ids=["d12-8", "d16"])  # padded head dims, and whole ones
+# padded head dims, whole ones, and a d_k read in two tiles (32 + 16, the second padded: common.head_dim_tiles)
+@pytest.mark.parametrize("dims", [(12, 8), (16, 16), (40, 8)], ids=["d12-8", "d16", "d40-8-two-tiles"])
 def test_forward_matches_the_dense_oracle(layout: str, heads, dims, poisoned_empty: None) -> None:
     T = 45
     lo, hi, n_keys = ranges_of(layout, T)
@@ -177,7 +178,7 @@ def test_forward_matches_the_dense_oracle(layout: str, heads, dims, poisoned_emp
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dims", [(12, 8), (16, 16)], ids=["d12-8", "d16"])
+@pytest.mark.parametrize("dims", [(12, 8), (16, 16), (40, 8)], ids=["d12-8", "d16", "d40-8-two-tiles"])
 def test_backward_matches_the_dense_oracle(layout: str, dims, poisoned_empty: None) -> None:
     T = 45
     lo, hi, n_keys = ranges_of(layout, T)
@@ -259,7 +260,7 @@ def test_bad_ranges_raise_value_error(lo, hi, match) -> None:
 
 # Scoring (Eq. 8 + 10 fused) and the whole layer against the torch path and the loop reference ---------------------
 @pytest.mark.parametrize("switch", [{}, {"selection_score": "logits"}, {"group_reduce": "mean"},
-                                    {"cmp_visibility": "strict"}])
+                                    {"cmp_visibility": "strict"}, {"head_dim_qk": 48}])
 @pytest.mark.parametrize("packed", [False, True], ids=["single", "packed"])
 def test_group_scores_equal_the_torch_scores(switch, packed: bool) -> None:
     cfg = CFG.replace(**switch)
@@ -323,6 +324,15 @@ def test_range_backend_argument_is_validated() -> None:
         O.nsa_forward(x.q, x.kv, x.gates, CFG, range_backend="cuda")
     with pytest.raises(ValueError, match="fp32/bf16/fp16"):
         O.window_attention(x.q, x.kv.win.k, x.kv.win.v, CFG, range_backend="triton")
+
+
+def test_head_dims_are_read_in_one_padded_tile_or_two_exact_ones() -> None:
+    from optimized.kernels.common import head_dim_tiles
+
+    # (first tile, second tile or 0): two where they are narrower than the one padded tile, each >= 16
+    expected = {192: (128, 64), 96: (64, 32), 48: (32, 16), 40: (32, 16), 80: (64, 16), 160: (128, 32),
+                128: (128, 0), 64: (64, 0), 200: (256, 0), 100: (128, 0), 24: (32, 0), 9: (16, 0), 16: (16, 0)}
+    assert {d: head_dim_tiles(d) for d in expected} == expected
 
 
 def test_scale_default_is_one_over_sqrt_dk() -> None:
