@@ -92,9 +92,10 @@ def resources(compiled) -> dict[str, int]:
 # dk/dv at 128 columns (in the prod-125m training step 2-4% faster than the 64-column settings at 2k and 16k; with
 # the group's 6 heads unpadded, 21 queries per step, 7-10% faster again and 280 bytes of stack), and its dq with
 # the heads as columns at 32 keys, 3 stages (8 bytes under Triton 3.7; 1.05 ms at 16k tokens against 1.12 at 16 keys,
-# 2 stages, which spills nothing; perf/NOTES.md); the paper's d_k = 192 / d_v = 128 dk/dv on 4 warps (48 bytes under
-# Triton 3.7; 8 warps spill nothing but took 1.2-1.5x as long at 8k-64k tokens).
-SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dq", 128): 8, ("dkdv", 256): 96, ("dkdv", 128): 280, ("dkdv", 384): 48}
+# 2 stages, which spills nothing; perf/NOTES.md); the paper's d_k = 192 / d_v = 128 dk/dv on 4 warps (72 bytes under
+# Triton 3.7 with d_k read as 128 + 64, 48 padded to 256, which was as fast at 16k tokens and 2.5% slower at 64k; 8
+# warps spill nothing but took 1.2-1.5x as long at 8k-64k tokens).
+SELECTED_MEASURED_STACK = {("dq", 256): 32, ("dq", 128): 8, ("dkdv", 256): 96, ("dkdv", 128): 280, ("dkdv", 384): 72}
 
 
 def lean_cases() -> list[Case]:
@@ -226,7 +227,7 @@ def selected_cases() -> list[Case]:
     import torch
 
     from optimized.kernels.common import (dkdv_tiling, dq_head_tile, dq_tiling, forward_head_tile, forward_tiling,
-                                          padded)
+                                          head_dim_tiles, padded)
     from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
     from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
                                                           _selected_attention_bwd_dq_kernel)
@@ -239,8 +240,11 @@ def selected_cases() -> list[Case]:
         width = max(bdk, bdv)
         dq_h, dq_axis, head_rows, copies = dq_head_tile(group, True, width)  # as the launches take them
         block_h = {"forward": forward_head_tile(group, width)[0], "dq": dq_h}
-        dims = dict(GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block, BLOCK_DK=bdk, BLOCK_DV=bdv, DOT_FP32=False,
-                    INPUT_PRECISION="ieee", PACKED=False)
+        first, second = head_dim_tiles(dk)  # as the launches read the head dim (dq: with one copy of its rows)
+        dims = dict(GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block, BLOCK_DK=first, BLOCK_DK2=second, BLOCK_DV=bdv,
+                    DOT_FP32=False, INPUT_PRECISION="ieee", PACKED=False)
+        if copies > 1 and second:
+            raise ValueError(f"{layout}: a dq launch with row copies reads the head dim in one padded tile")
         bf16 = torch.bfloat16
         launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(group, bdk, bdv, sel_block, bf16),
                      dict(KEY_AXIS=forward_head_tile(group, width)[1])),

@@ -15,6 +15,10 @@ p = q_offset + t; keys after p are masked (the current block is partial). An emp
 Packed batches (PACKED): DOC_START[t] is the first key of row t's document and block j of the row means keys
 DOC_START[t] + j * SEL_BLOCK ..; the clip to <= p keeps every key inside the document.
 
+A q/k head dim such as the paper's d_k = 192 is read in two exact tiles (128 + 64, common.head_dim_tiles) rather
+than one padded to 256, here and in the backward kernels (BLOCK_DK2; the dq kernel only with one copy of its rows):
+the logits' two dots chain into one accumulation, the dq and dk tiles are written part by part.
+
 Backward: selected_attention_bwd.py (dq query-centric; dk/dv key-centric over an inverted index; deterministic,
 no atomics).
 """
@@ -34,8 +38,8 @@ from reference.config import NSAConfig
 from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
 from ..numerics import LN2, LOG2E
-from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_head_tile, forward_tiling, heads_dot,
-                     interpreting, launch_tiling, padded, selected_block_keys)
+from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_head_tile, forward_tiling, head_dim_tiles,
+                     heads_dot, interpreting, launch_tiling, padded, selected_block_keys)
 from .range_attention import range_attention_forward
 from .selected_attention_bwd import selected_attention_backward
 
@@ -53,7 +57,7 @@ def _selected_attention_fwd_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    PACKED: tl.constexpr, KEY_AXIS: tl.constexpr,
+    PACKED: tl.constexpr, KEY_AXIS: tl.constexpr, BLOCK_DK2: tl.constexpr,
 ):
     # KEY_AXIS: the logits tile's axis over keys (common.forward_head_tile). 0: the group's heads are the tiles'
     # columns, s^T = K q^T [BLOCK_N, BLOCK_H] and o^T += V^T P^T [BLOCK_DV, BLOCK_H]; 1: they are its rows,
@@ -82,6 +86,12 @@ def _selected_attention_fwd_kernel(
     q = tl.load(Q + b * stride_qb + t * stride_qt + tl.expand_dims(heads, KEY_AXIS) * stride_qh
                 + tl.expand_dims(offs_dk, 1 - KEY_AXIS),
                 mask=tl.expand_dims(head_mask, KEY_AXIS) & tl.expand_dims(dk_mask, 1 - KEY_AXIS), other=0.0)
+    if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): q2, k2
+        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk_mask2 = offs_dk2 < DK
+        q2 = tl.load(Q + b * stride_qb + t * stride_qt + tl.expand_dims(heads, KEY_AXIS) * stride_qh
+                     + tl.expand_dims(offs_dk2, 1 - KEY_AXIS),
+                     mask=tl.expand_dims(head_mask, KEY_AXIS) & tl.expand_dims(dk_mask2, 1 - KEY_AXIS), other=0.0)
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
@@ -107,7 +117,12 @@ def _selected_attention_fwd_kernel(
                     mask=tl.expand_dims(key_mask, 1 - KEY_AXIS) & tl.expand_dims(dk_mask, KEY_AXIS), other=0.0)
         v = tl.load(v_base + tl.expand_dims(pos, KEY_AXIS) * stride_vt + tl.expand_dims(offs_dv, 1 - KEY_AXIS),
                     mask=tl.expand_dims(key_mask, KEY_AXIS) & tl.expand_dims(dv_mask, 1 - KEY_AXIS), other=0.0)
+        if BLOCK_DK2 > 0:
+            k2 = tl.load(k_base + tl.expand_dims(pos, 1 - KEY_AXIS) * stride_kt + tl.expand_dims(offs_dk2, KEY_AXIS),
+                         mask=tl.expand_dims(key_mask, 1 - KEY_AXIS) & tl.expand_dims(dk_mask2, KEY_AXIS), other=0.0)
         s = heads_dot(q, k, KEY_AXIS, DOT_FP32, INPUT_PRECISION)  # s^T = K q^T or s = q K^T
+        if BLOCK_DK2 > 0:
+            s += heads_dot(q2, k2, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
         s = tl.where(tl.expand_dims(key_mask, 1 - KEY_AXIS), s * scale_log2, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
@@ -161,6 +176,7 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
     block_dk, block_dv = padded(dk), padded(dv)
     block_h, key_axis = forward_head_tile(group, max(block_dk, block_dv))
     dot_fp32, precision = dot_settings(q.dtype)
+    dk_tile, dk_tile2 = head_dim_tiles(dk)
 
     def launch(tiling: Tiling) -> None:
         _selected_attention_fwd_kernel[(TQ, Hkv, B)](
@@ -173,7 +189,7 @@ def selected_attention_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
             stats.stride(0), stats.stride(1),
             n_sel, TK - TQ, scale * LOG2E,
             GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block,
-            BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
+            BLOCK_H=block_h, BLOCK_DK=dk_tile, BLOCK_DK2=dk_tile2, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
             TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
             PACKED=doc_start is not None, KEY_AXIS=key_axis, num_warps=tiling.num_warps,
             num_stages=tiling.num_stages,

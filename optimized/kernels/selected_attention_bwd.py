@@ -49,8 +49,8 @@ from torch import Tensor
 
 from ..numerics import LOG2E
 from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_head_tile, dq_tiling,
-                     heads_dot, heads_per_query, key_tile_rows, launch_tiling, padded, selected_block_keys,
-                     smaller_dkdv_tilings)
+                     head_dim_tiles, heads_dot, heads_per_query, key_tile_rows, launch_tiling, padded,
+                     selected_block_keys, smaller_dkdv_tilings)
 from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
 
@@ -85,7 +85,7 @@ def _selected_attention_bwd_dq_kernel(
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     SPLIT_DS: tl.constexpr, PACKED: tl.constexpr, HEAD_ROWS: tl.constexpr, COPIES: tl.constexpr,
-    KEY_AXIS: tl.constexpr,
+    KEY_AXIS: tl.constexpr, BLOCK_DK2: tl.constexpr,
 ):
     # KEY_AXIS: the group's heads are the tiles' columns (0: s^T = K q^T [BLOCK_N, BLOCK_H], dq^T += K^T dS^T) or
     # their rows (1: s = q K^T, dq += dS K; the only layout with COPIES > 1), as in the forward. Tiles over the
@@ -124,6 +124,20 @@ def _selected_attention_bwd_dq_kernel(
     m2 = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2, mask=head_mask, other=0.0)
     inv_l = tl.load(STATS + b * stride_sb + t * stride_st + heads * 2 + 1, mask=head_mask, other=0.0)
     delta_start = tl.sum(do.to(tl.float32) * o.to(tl.float32), KEY_AXIS)  # D0 = rowsum(dO * O)
+    if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): q2, k2, dq2, p_k2 (one copy of the rows)
+        tl.static_assert(COPIES == 1)
+        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk_mask2 = offs_dk2 < DK
+        q2 = tl.load(Q + b * stride_qb + t * stride_qt + head_along * stride_qh
+                     + tl.expand_dims(offs_dk2, 1 - KEY_AXIS),
+                     mask=head_ok & tl.expand_dims(dk_mask2, 1 - KEY_AXIS), other=0.0)
+        if KEY_AXIS == 0:
+            dq2 = tl.zeros([BLOCK_DK2, BLOCK_H], dtype=tl.float32)
+            dq2_lo = tl.zeros([BLOCK_DK2, BLOCK_H], dtype=tl.float32)
+            p_k2 = tl.zeros([BLOCK_DK2, BLOCK_H], dtype=tl.float32)
+        else:
+            dq2 = tl.zeros([BLOCK_H, BLOCK_DK2], dtype=tl.float32)
+            p_k2 = tl.zeros([BLOCK_H, BLOCK_DK2], dtype=tl.float32)
 
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
@@ -151,7 +165,14 @@ def _selected_attention_bwd_dq_kernel(
                          mask=tl.expand_dims(key_mask, KEY_AXIS) & tl.expand_dims(dk_mask, 1 - KEY_AXIS), other=0.0)
         v_tile = tl.load(v_base + tl.expand_dims(pos, 1 - KEY_AXIS) * stride_vt + tl.expand_dims(offs_dv, KEY_AXIS),
                          mask=tl.expand_dims(key_mask, 1 - KEY_AXIS) & tl.expand_dims(dv_mask, KEY_AXIS), other=0.0)
+        if BLOCK_DK2 > 0:
+            k2_tile = tl.load(k_base + tl.expand_dims(pos, KEY_AXIS) * stride_kt
+                              + tl.expand_dims(offs_dk2, 1 - KEY_AXIS),
+                              mask=tl.expand_dims(key_mask, KEY_AXIS) & tl.expand_dims(dk_mask2, 1 - KEY_AXIS),
+                              other=0.0)
         s = heads_dot(q, tl.trans(k_tile), KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+        if BLOCK_DK2 > 0:
+            s += heads_dot(q2, tl.trans(k2_tile), KEY_AXIS, DOT_FP32, INPUT_PRECISION)
         dp = heads_dot(do, v_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
         probs = tl.where(tl.expand_dims(key_mask, 1 - KEY_AXIS),
                          tl.exp2(s * scale_log2 - tl.expand_dims(m2, KEY_AXIS)) * tl.expand_dims(inv_l, KEY_AXIS), 0.0)
@@ -168,6 +189,13 @@ def _selected_attention_bwd_dq_kernel(
                 else:
                     dq += heads_dot(ds_lo, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
                 p_k += heads_dot(probs.to(K.dtype.element_ty), k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                if BLOCK_DK2 > 0:
+                    dq2 += heads_dot(ds_hi, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                    if KEY_AXIS == 0:
+                        dq2_lo += heads_dot(ds_lo, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                    else:
+                        dq2 += heads_dot(ds_lo, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                    p_k2 += heads_dot(probs.to(K.dtype.element_ty), k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
             elif COPIES == 2:  # copy 0: dS hi, copy 1: dS lo, in one dot; sum P k in its own
                 dq += dot(tl.where(copy[:, None] == 0, ds_hi, ds_lo), k_tile, DOT_FP32, INPUT_PRECISION)
                 p_k += dot(probs.to(K.dtype.element_ty), k_tile, DOT_FP32, INPUT_PRECISION)
@@ -178,6 +206,9 @@ def _selected_attention_bwd_dq_kernel(
         else:
             dq += heads_dot(ds, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
             p_k += heads_dot(probs, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+            if BLOCK_DK2 > 0:
+                dq2 += heads_dot(ds, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                p_k2 += heads_dot(probs, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
 
     if COPIES > 1:  # back to one row per head: dq = hi + lo, sum P k, and copy 0's row sums
         if COPIES == 3:
@@ -194,11 +225,17 @@ def _selected_attention_bwd_dq_kernel(
         heads = g * GROUP + in_group
     if KEY_AXIS == 0 and SPLIT_DS:
         dq += dq_lo
+        if BLOCK_DK2 > 0:
+            dq2 += dq2_lo
     correction = shift + delta_start * (p_sum - 1.0)  # D - D0, D = sum_s P_s dP_s = D0 * sum P + shift
     dq = (dq - tl.expand_dims(correction, KEY_AXIS) * p_k) * scale
-    tl.store(DQ + b * stride_dqb + t * stride_dqt + tl.expand_dims(heads, KEY_AXIS) * stride_dqh
-             + tl.expand_dims(offs_dk, 1 - KEY_AXIS), dq.to(DQ.dtype.element_ty),
+    dq_rows = DQ + b * stride_dqb + t * stride_dqt + tl.expand_dims(heads, KEY_AXIS) * stride_dqh
+    tl.store(dq_rows + tl.expand_dims(offs_dk, 1 - KEY_AXIS), dq.to(DQ.dtype.element_ty),
              mask=tl.expand_dims(head_mask, KEY_AXIS) & tl.expand_dims(dk_mask, 1 - KEY_AXIS))
+    if BLOCK_DK2 > 0:
+        dq2 = (dq2 - tl.expand_dims(correction, KEY_AXIS) * p_k2) * scale
+        tl.store(dq_rows + tl.expand_dims(offs_dk2, 1 - KEY_AXIS), dq2.to(DQ.dtype.element_ty),
+                 mask=tl.expand_dims(head_mask, KEY_AXIS) & tl.expand_dims(dk_mask2, 1 - KEY_AXIS))
     tl.store(DELTA + b * stride_db + t * stride_dt + heads, delta_start + correction, mask=head_mask)
 
 
@@ -218,6 +255,7 @@ def _selected_attention_bwd_dkdv_kernel(
     QUERIES_PER_STEP: tl.constexpr, BLOCK_COLS: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_DK2: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
@@ -257,6 +295,13 @@ def _selected_attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dk_comp = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dv_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): k2, q2, dk2 beside the first
+        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+        dk_mask2 = offs_dk2 < DK
+        k2 = tl.load(K + b * stride_kb + g * stride_kh + pos[:, None] * stride_kt + offs_dk2[None, :],
+                     mask=key_mask[:, None] & dk_mask2[None, :], other=0.0)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
+        dk2_comp = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
 
     for e0 in range(begin, end, QUERIES_PER_STEP):
         e = e0 + col_query
@@ -265,6 +310,9 @@ def _selected_attention_bwd_dkdv_kernel(
         t = tl.load(QUERY_ROWS + e, mask=listed, other=0).to(tl.int64)
         q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
                     mask=col_ok[:, None] & dk_mask[None, :], other=0.0)  # [BLOCK_COLS, BLOCK_DK]
+        if BLOCK_DK2 > 0:
+            q2 = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_dk2[None, :],
+                         mask=col_ok[:, None] & dk_mask2[None, :], other=0.0)
         do = tl.load(DO + b * stride_dob + t[:, None] * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
                      mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
         # Unused columns: m = 1/l = D = 0 and q = dO = 0, so P = dS = 0.
@@ -274,15 +322,21 @@ def _selected_attention_bwd_dkdv_kernel(
         visible = key_mask[:, None] & (pos[:, None] <= (q_offset + t)[None, :]) & col_ok[None, :]  # Eq. 12 clip
 
         sT = dot(k, tl.trans(q), DOT_FP32, INPUT_PRECISION)  # [BLOCK_N, BLOCK_COLS]
+        if BLOCK_DK2 > 0:
+            sT += dot(k2, tl.trans(q2), DOT_FP32, INPUT_PRECISION)
         pT = tl.where(visible, tl.exp2(sT * scale_log2 - m2[None, :]) * inv_l[None, :], 0.0)
         dpT = dot(v, tl.trans(do), DOT_FP32, INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if COMPENSATED:
             dv, dv_comp = compensated_add(dv, dv_comp, dot(pT, do, DOT_FP32, INPUT_PRECISION))
             dk, dk_comp = compensated_add(dk, dk_comp, dot(dsT, q, DOT_FP32, INPUT_PRECISION))
+            if BLOCK_DK2 > 0:
+                dk2, dk2_comp = compensated_add(dk2, dk2_comp, dot(dsT, q2, DOT_FP32, INPUT_PRECISION))
         else:
             dv += dot(pT.to(do.dtype), do, DOT_FP32, INPUT_PRECISION)
             dk += dot(dsT.to(q.dtype), q, DOT_FP32, INPUT_PRECISION)
+            if BLOCK_DK2 > 0:
+                dk2 += dot(dsT.to(q.dtype), q2, DOT_FP32, INPUT_PRECISION)
     dk = (dk - dk_comp) * scale
     dv = dv - dv_comp
 
@@ -295,6 +349,11 @@ def _selected_attention_bwd_dkdv_kernel(
     ws_mask = (slot >= 0) & (in_block < SEL_BLOCK)
     tl.store(DK_WS + ws_rows[:, None] * DK + offs_dk[None, :], dk, mask=ws_mask[:, None] & dk_mask[None, :])
     tl.store(DV_WS + ws_rows[:, None] * DV + offs_dv[None, :], dv, mask=ws_mask[:, None] & dv_mask[None, :])
+    if BLOCK_DK2 > 0:
+        dk2 = (dk2 - dk2_comp) * scale
+        tl.store(DK_OUT + b * stride_dkb + g * stride_dkh + pos[:, None] * stride_dkt + offs_dk2[None, :],
+                 dk2.to(DK_OUT.dtype.element_ty), mask=direct & key_mask[:, None] & dk_mask2[None, :])
+        tl.store(DK_WS + ws_rows[:, None] * DK + offs_dk2[None, :], dk2, mask=ws_mask[:, None] & dk_mask2[None, :])
 
 
 @triton.jit
@@ -415,6 +474,7 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
     dot_fp32, precision = dot_settings(q.dtype)
     split_ds = q.dtype != torch.float32
     block_h, key_axis, head_rows, copies = dq_head_tile(group, split_ds, max(block_dk, block_dv))
+    dk_tile, dk_tile2 = head_dim_tiles(dk_dim) if copies == 1 else (block_dk, 0)  # copies keep one padded tile
 
     def launch(tiling: Tiling) -> None:
         _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](
@@ -428,11 +488,11 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
             indices.stride(0), indices.stride(1), indices.stride(2), indices.stride(3),
             dq.stride(0), dq.stride(1), dq.stride(2),
             indices.shape[-1], TK - TQ, scale, scale * LOG2E,
-            GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h, BLOCK_DK=block_dk,
-            BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n),
-            DOT_FP32=dot_fp32, INPUT_PRECISION=precision, SPLIT_DS=split_ds, PACKED=doc_start is not None,
-            HEAD_ROWS=head_rows, COPIES=copies, KEY_AXIS=key_axis, num_warps=tiling.num_warps,
-            num_stages=tiling.num_stages,
+            GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block, BLOCK_H=block_h, BLOCK_DK=dk_tile,
+            BLOCK_DK2=dk_tile2, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n,
+            TILES_PER_BLOCK=math.ceil(sel_block / tiling.block_n), DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
+            SPLIT_DS=split_ds, PACKED=doc_start is not None, HEAD_ROWS=head_rows, COPIES=copies, KEY_AXIS=key_axis,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
     launch_tiling(launch, tiling, dq_tiling(group, block_dk, block_dv, sel_block, q.dtype))
@@ -462,6 +522,7 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
     dv_ws = torch.empty((n_slots, sel_block, dv_dim), device=q.device, dtype=torch.float32)
     min_cols = heads_per_query(group)
     block_dk, block_dv = padded(dk_dim), padded(dv_dim)
+    dk_tile, dk_tile2 = head_dim_tiles(dk_dim)
     modes = precision_modes(q.dtype)
 
     def launch(tiling: DkdvTiling) -> None:
@@ -478,7 +539,7 @@ def selected_attention_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, indices: T
             Hkv, index.n_blocks, TK, TK - TQ, scale, scale * LOG2E,
             GROUP=group, DK=dk_dim, DV=dv_dim, SEL_BLOCK=sel_block,
             QUERIES_PER_STEP=tiling.block_cols // group, BLOCK_COLS=tiling.block_cols,
-            BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, PACKED=packed, **modes,
+            BLOCK_DK=dk_tile, BLOCK_DK2=dk_tile2, BLOCK_DV=block_dv, BLOCK_N=tiling.block_n, PACKED=packed, **modes,
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 

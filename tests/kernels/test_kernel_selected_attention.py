@@ -41,6 +41,10 @@ CASES = {
     "group2-dk136": Case(tk=21, tq=21, n_kv_heads=1, group=2, dk=136, dv=8, sel_block=8, n_sel=2),
     # the same for the dq kernel at 6 heads (its rows layout with two copies, dq_head_tile)
     "group6-dk136": Case(tk=24, tq=24, n_kv_heads=1, group=6, dk=136, dv=8, sel_block=8, n_sel=2),
+    # head dims read in two tiles (32 + 16, the second masked past 40: common.head_dim_tiles), with the heads as
+    # the tiles' rows (16 heads) and as their columns (6 heads, the dq's split dS in an accumulator of its own)
+    "group16-dk40": Case(tk=24, tq=24, n_kv_heads=1, group=16, dk=40, dv=8, sel_block=16, n_sel=2),
+    "group6-dk40": Case(tk=24, tq=24, n_kv_heads=1, group=6, dk=40, dv=16, sel_block=8, n_sel=2),
 }
 
 
@@ -120,7 +124,8 @@ def test_forward_matches_naive_and_float64_reference(name: str, poisoned_empty: 
     assert error_ratio(o, ref_fp32, oracle) <= 1.0
 
 
-BACKWARD_CASES = ["group1", "group3-dk12-dv8", "group16", "decode-chunk", "sel-block-24"]
+BACKWARD_CASES = ["group1", "group3-dk12-dv8", "group16", "decode-chunk", "sel-block-24", "group16-dk40",
+                  "group6-dk40"]
 
 
 @pytest.mark.parametrize("name", BACKWARD_CASES)
@@ -203,9 +208,10 @@ HALF_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 @pytest.mark.parametrize("name, dtype", [("group1", torch.bfloat16), ("group16", torch.bfloat16),
                                          ("group3-dk12-dv8", torch.bfloat16), ("group3-dk12-dv8", torch.float16),
-                                         ("group6", torch.bfloat16), ("group6-dk136", torch.bfloat16)],
+                                         ("group6", torch.bfloat16), ("group6-dk136", torch.bfloat16),
+                                         ("group16-dk40", torch.bfloat16), ("group6-dk40", torch.bfloat16)],
                          ids=["group1-bf16", "group16-bf16", "group3-bf16", "group3-fp16", "group6-bf16",
-                              "group6-dk136-bf16"])
+                              "group6-dk136-bf16", "group16-dk40-bf16", "group6-dk40-bf16"])
 def test_half_precision_dq_is_rounded_once(name: str, dtype: torch.dtype) -> None:
     """bf16/fp16 inputs: dq is carried in fp32 and rounded once, so each element is within 1 ulp of float64
     (1 ulp, not 1/2: the interpreter's fp32 -> half casts truncate) plus 2^-(mantissa + 5) * max|dq|. Feeding dS
