@@ -502,6 +502,20 @@ def key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP
 
 
 @triton.jit
+def second_head_tile(rows, rows_ok, DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
+    """The second tile of a head dim read in two (head_dim_tiles): columns BLOCK_DK .. BLOCK_DK + BLOCK_DK2 - 1 of
+    the rows at pointers rows [M, 1] (rows not rows_ok and columns past DK read as 0; fp32 with DOT_FP32), with its
+    column offsets and their mask."""
+    offs = BLOCK_DK + tl.arange(0, BLOCK_DK2)
+    cols_ok = offs < DK
+    x = tl.load(rows + offs[None, :], mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x, offs, cols_ok
+
+
+@triton.jit
 def key_tile_logits_added(s, q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, DOT_FP32: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr):
     """s plus q2 [M, BLOCK_DK2] times the key tile's columns offs_dk2: the logits of a head dim read in two tiles

@@ -44,7 +44,7 @@ from ..documents import Documents
 from ..numerics import LN2, LOG2E
 from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_dim_tiles, head_packed_grid, head_packed_rows,
                      interpreting, key_tile_logits, key_tile_logits_added, key_tile_span, launch_tiling, padded,
-                     range_tiling, smaller_range_tilings)
+                     range_tiling, second_head_tile, smaller_range_tilings)
 from .range_attention_bwd import range_attention_backward
 
 
@@ -75,17 +75,12 @@ def _range_attention_fwd_kernel(
     # ranges and key indices in int32 (keys < 2^31; masks stay cheap in registers), pointer offsets in int64
     lo, hi, start, last = key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
-    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk[None, :],
-                mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
+    q_rows = Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh
+    q = tl.load(q_rows + offs_dk[None, :], mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles)
-        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
-        dk_mask2 = offs_dk2 < DK
-        q2 = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk2[None, :],
-                     mask=row_mask[:, None] & dk_mask2[None, :], other=0.0)
-        if DOT_FP32:
-            q2 = q2.to(tl.float32)
+        q2, offs_dk2, dk_mask2 = second_head_tile(q_rows, row_mask, DK, BLOCK_DK, BLOCK_DK2, DOT_FP32)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 

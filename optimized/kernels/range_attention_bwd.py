@@ -39,7 +39,7 @@ from ..device_tables import capturing
 from ..numerics import LOG2E
 from .common import (RangeTiling, compensated_add, dot, dot_settings, head_dim_tiles, head_packed_grid,
                      head_packed_rows, key_tile_span, launch_tiling, packed_heads, padded, range_tiling,
-                     row_pass_shape, row_view, smaller_range_tilings)
+                     row_pass_shape, row_view, second_head_tile, smaller_range_tilings)
 
 
 @triton.jit
@@ -81,12 +81,9 @@ def _range_attention_dq_kernel(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     if BLOCK_DK2 > 0:
-        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
-        dk_mask2 = offs_dk2 < DK
-        q2 = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk2[None, :],
-                     mask=row_mask[:, None] & dk_mask2[None, :], other=0.0)
-        if DOT_FP32:
-            q2 = q2.to(tl.float32)
+        q2, offs_dk2, dk_mask2 = second_head_tile(Q + b * stride_qb + offs_m[:, None] * stride_qt
+                                                  + h[:, None] * stride_qh, row_mask, DK, BLOCK_DK, BLOCK_DK2,
+                                                  DOT_FP32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_DK2], dtype=tl.float32)
         pk2 = tl.zeros([BLOCK_M, BLOCK_DK2], dtype=tl.float32)
     k_base = K + b * stride_kb + kvh * stride_kh

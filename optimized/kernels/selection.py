@@ -67,7 +67,8 @@ from ..documents import Documents
 from ..numerics import LOG2E
 from ..scoring import pool_eq9
 from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, head_dim_tiles, key_tile_logits,
-                     key_tile_logits_added, key_tile_span, launch_tiling, padded, range_tiling, smaller_range_tilings)
+                     key_tile_logits_added, key_tile_span, launch_tiling, padded, range_tiling, second_head_tile,
+                     smaller_range_tilings)
 from .range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges, range_logsumexp2,
                               sequence_ranges)
 
@@ -104,17 +105,12 @@ def _group_scores_kernel(
 
     offs_dk = tl.arange(0, BLOCK_DK)
     dk_mask = offs_dk < DK
-    q = tl.load(Q + b * stride_qb + t_m[:, None] * stride_qt + h_m[:, None] * stride_qh + offs_dk[None, :],
-                mask=valid_m[:, None] & dk_mask[None, :], other=0.0)
+    q_rows = Q + b * stride_qb + t_m[:, None] * stride_qt + h_m[:, None] * stride_qh
+    q = tl.load(q_rows + offs_dk[None, :], mask=valid_m[:, None] & dk_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles)
-        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
-        dk_mask2 = offs_dk2 < DK
-        q2 = tl.load(Q + b * stride_qb + t_m[:, None] * stride_qt + h_m[:, None] * stride_qh + offs_dk2[None, :],
-                     mask=valid_m[:, None] & dk_mask2[None, :], other=0.0)
-        if DOT_FP32:
-            q2 = q2.to(tl.float32)
+        q2, offs_dk2, dk_mask2 = second_head_tile(q_rows, valid_m, DK, BLOCK_DK, BLOCK_DK2, DOT_FP32)
     lse2 = tl.load(LSE2 + b * stride_lb + t_m * stride_lt + h_m, mask=valid_m, other=0.0)
 
     # query rows of the output tile
