@@ -101,8 +101,8 @@ def _range_attention_dq_kernel(
         v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vt + offs_dv[None, :],
                     mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
         if BLOCK_DK2 > 0:
-            k2 = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kt + offs_dk2[None, :],
-                         mask=key_ok[:, None] & dk_mask2[None, :], other=0.0)
+            k2 = second_head_tile(k_base + keys.to(tl.int64)[:, None] * stride_kt, key_ok, DK, BLOCK_DK, BLOCK_DK2,
+                                  False)[0]  # as k: not widened (dot widens with DOT_FP32)
         s = dot(q, tl.trans(k), DOT_FP32, INPUT_PRECISION)
         if BLOCK_DK2 > 0:
             s += dot(q2, tl.trans(k2), DOT_FP32, INPUT_PRECISION)
@@ -186,12 +186,8 @@ def _range_attention_dkdv_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): k2, q2, dkey2 beside the first
-        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
-        dk_mask2 = offs_dk2 < DK
-        k2 = tl.load(K + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh + offs_dk2[None, :],
-                     mask=key_ok[:, None] & dk_mask2[None, :], other=0.0)
-        if DOT_FP32:
-            k2 = k2.to(tl.float32)
+        k2, offs_dk2, dk_mask2 = second_head_tile(K + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh,
+                                                  key_ok, DK, BLOCK_DK, BLOCK_DK2, DOT_FP32)
         dkey2 = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
         dkey2_comp = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
     q_first = tl.load(QFIRST + pid_n)
@@ -221,8 +217,8 @@ def _range_attention_dkdv_kernel(
             q = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh
                         + offs_dk[None, :], mask=col_ok[:, None] & dk_mask[None, :], other=0.0)
             if BLOCK_DK2 > 0:
-                q2 = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh
-                             + offs_dk2[None, :], mask=col_ok[:, None] & dk_mask2[None, :], other=0.0)
+                q2 = second_head_tile(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh,
+                                      col_ok, DK, BLOCK_DK, BLOCK_DK2, False)[0]  # as q: not widened
             do = tl.load(DO + b * stride_dob + rows64[:, None] * stride_dot + heads64[:, None] * stride_doh
                          + offs_dv[None, :], mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
             lse2 = tl.load(LSE2 + b * stride_lb + rows64 * stride_lt + heads64, mask=col_ok, other=0.0)

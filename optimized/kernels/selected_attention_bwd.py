@@ -50,7 +50,7 @@ from torch import Tensor
 from ..numerics import LOG2E
 from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_head_tile, dq_tiling,
                      head_dim_tiles, heads_dot, heads_per_query, key_tile_rows, launch_tiling, padded,
-                     selected_block_keys, smaller_dkdv_tilings)
+                     second_head_tile, selected_block_keys, smaller_dkdv_tilings)
 from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
 
@@ -296,10 +296,8 @@ def _selected_attention_bwd_dkdv_kernel(
     dk_comp = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dv_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): k2, q2, dk2 beside the first
-        offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
-        dk_mask2 = offs_dk2 < DK
-        k2 = tl.load(K + b * stride_kb + g * stride_kh + pos[:, None] * stride_kt + offs_dk2[None, :],
-                     mask=key_mask[:, None] & dk_mask2[None, :], other=0.0)
+        k2, offs_dk2, dk_mask2 = second_head_tile(K + b * stride_kb + g * stride_kh + pos[:, None] * stride_kt,
+                                                  key_mask, DK, BLOCK_DK, BLOCK_DK2, False)  # as k: not widened
         dk2 = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
         dk2_comp = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
 
@@ -311,8 +309,8 @@ def _selected_attention_bwd_dkdv_kernel(
         q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
                     mask=col_ok[:, None] & dk_mask[None, :], other=0.0)  # [BLOCK_COLS, BLOCK_DK]
         if BLOCK_DK2 > 0:
-            q2 = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_dk2[None, :],
-                         mask=col_ok[:, None] & dk_mask2[None, :], other=0.0)
+            q2 = second_head_tile(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh, col_ok, DK,
+                                  BLOCK_DK, BLOCK_DK2, False)[0]  # as q: not widened
         do = tl.load(DO + b * stride_dob + t[:, None] * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
                      mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
         # Unused columns: m = 1/l = D = 0 and q = dO = 0, so P = dS = 0.
