@@ -488,16 +488,18 @@ def selected_block_keys(block, tile, row_start, p, offs_n, SEL_BLOCK: tl.constex
 
 
 @triton.jit
-def key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32: tl.constexpr,
+def key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, acc, DOT_FP32: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
-    """q [M, BLOCK_DK] times the key tile `keys` of K (rows at k_base + key * stride_kt, keys not key_ok read as
-    0): the raw logits [M, BLOCK_N] in fp32 (DOT_FP32, INPUT_PRECISION: dot_settings)."""
+    """q [M, BLOCK_DK] times the key tile `keys` of K (rows at k_base + key * stride_kt, columns offs_dk; keys not
+    key_ok and columns not dk_mask read as 0): the raw logits [M, BLOCK_N] in fp32 (DOT_FP32, INPUT_PRECISION:
+    dot_settings), accumulated onto acc in the dot (None: onto nothing; a head dim read in two tiles,
+    head_dim_tiles, passes the first tile's logits with the second tile's q and columns)."""
     kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk[:, None],
                  mask=key_ok[None, :] & dk_mask[:, None], other=0.0)
     if DOT_FP32:
-        s = tl.dot(q, kT.to(tl.float32), input_precision=INPUT_PRECISION)
+        s = tl.dot(q, kT.to(tl.float32), acc, input_precision=INPUT_PRECISION)
     else:
-        s = tl.dot(q, kT)
+        s = tl.dot(q, kT, acc)
     return s
 
 
@@ -513,20 +515,6 @@ def second_head_tile(rows, rows_ok, DK: tl.constexpr, BLOCK_DK: tl.constexpr, BL
     if DOT_FP32:
         x = x.to(tl.float32)
     return x, offs, cols_ok
-
-
-@triton.jit
-def key_tile_logits_added(s, q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, DOT_FP32: tl.constexpr,
-                          INPUT_PRECISION: tl.constexpr):
-    """s plus q2 [M, BLOCK_DK2] times the key tile's columns offs_dk2: the logits of a head dim read in two tiles
-    (head_dim_tiles), the second part accumulated onto the first in the dot."""
-    kT = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kt + offs_dk2[:, None],
-                 mask=key_ok[None, :] & dk_mask2[:, None], other=0.0)
-    if DOT_FP32:
-        s = tl.dot(q2, kT.to(tl.float32), s, input_precision=INPUT_PRECISION)
-    else:
-        s = tl.dot(q2, kT, s)
-    return s
 
 
 @triton.jit

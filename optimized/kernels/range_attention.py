@@ -43,8 +43,8 @@ from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from ..documents import Documents
 from ..numerics import LN2, LOG2E
 from .common import (INDEX_DTYPES, RangeTiling, dot_settings, head_dim_tiles, head_packed_grid, head_packed_rows,
-                     interpreting, key_tile_logits, key_tile_logits_added, key_tile_span, launch_tiling, padded,
-                     range_tiling, second_head_tile, smaller_range_tilings)
+                     interpreting, key_tile_logits, key_tile_span, launch_tiling, padded, range_tiling,
+                     second_head_tile, smaller_range_tilings)
 from .range_attention_bwd import range_attention_backward
 
 
@@ -91,10 +91,9 @@ def _range_attention_fwd_kernel(
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
-        s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32, INPUT_PRECISION)
+        s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, None, DOT_FP32, INPUT_PRECISION)
         if BLOCK_DK2 > 0:
-            s = key_tile_logits_added(s, q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, DOT_FP32,
-                                      INPUT_PRECISION)
+            s = key_tile_logits(q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, s, DOT_FP32, INPUT_PRECISION)
         in_range = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
         s = tl.where(in_range, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -67,8 +67,7 @@ from ..documents import Documents
 from ..numerics import LOG2E
 from ..scoring import pool_eq9
 from .common import (INDEX_DTYPES, RangeTiling, dot_settings, float_order, head_dim_tiles, key_tile_logits,
-                     key_tile_logits_added, key_tile_span, launch_tiling, padded, range_tiling, second_head_tile,
-                     smaller_range_tilings)
+                     key_tile_span, launch_tiling, padded, range_tiling, second_head_tile, smaller_range_tilings)
 from .range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges, range_logsumexp2,
                               sequence_ranges)
 
@@ -125,10 +124,9 @@ def _group_scores_kernel(
     for start_n in range(start, last + 1, BLOCK_N):
         keys = start_n + offs_n
         key_ok = keys < n_keys
-        s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, DOT_FP32, INPUT_PRECISION)
+        s = key_tile_logits(q, k_base, keys, key_ok, stride_kt, offs_dk, dk_mask, None, DOT_FP32, INPUT_PRECISION)
         if BLOCK_DK2 > 0:
-            s = key_tile_logits_added(s, q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, DOT_FP32,
-                                      INPUT_PRECISION)
+            s = key_tile_logits(q2, k_base, keys, key_ok, stride_kt, offs_dk2, dk_mask2, s, DOT_FP32, INPUT_PRECISION)
         in_range = valid_m[:, None] & (keys[None, :] >= lo_m[:, None]) & (keys[None, :] <= hi_m[:, None])
         if LOGITS:
             term = s * scale
