@@ -226,8 +226,8 @@ def selected_cases() -> list[Case]:
     dk/dv."""
     import torch
 
-    from optimized.kernels.common import (dkdv_tiling, dq_head_tile, dq_tiling, forward_head_tile, forward_tiling,
-                                          head_dim_tiles, padded)
+    from optimized.kernels.common import (dkdv_tiling, dq_head_dim_tiles, dq_head_tile, dq_tiling, forward_head_tile,
+                                          forward_tiling, head_dim_tiles, padded)
     from optimized.kernels.selected_attention import _selected_attention_fwd_kernel
     from optimized.kernels.selected_attention_bwd import (_selected_attention_bwd_dkdv_kernel,
                                                           _selected_attention_bwd_dq_kernel)
@@ -240,20 +240,20 @@ def selected_cases() -> list[Case]:
         width = max(bdk, bdv)
         dq_h, dq_axis, head_rows, copies = dq_head_tile(group, True, width)  # as the launches take them
         block_h = {"forward": forward_head_tile(group, width)[0], "dq": dq_h}
-        first, second = head_dim_tiles(dk)  # as the launches read the head dim (dq: with one copy of its rows)
+        first, second = head_dim_tiles(dk)  # as the launches read the head dim
         dims = dict(GROUP=group, DK=dk, DV=dv, SEL_BLOCK=sel_block, BLOCK_DK=first, BLOCK_DK2=second, BLOCK_DV=bdv,
                     DOT_FP32=False, INPUT_PRECISION="ieee", PACKED=False)
-        if copies > 1 and second:
-            raise ValueError(f"{layout}: a dq launch with row copies reads the head dim in one padded tile")
+        dq_first, dq_second = dq_head_dim_tiles(dk, copies)
         bf16 = torch.bfloat16
         launches = (("forward", _selected_attention_fwd_kernel, forward_tiling(group, bdk, bdv, sel_block, bf16),
                      dict(KEY_AXIS=forward_head_tile(group, width)[1])),
                     ("dq", _selected_attention_bwd_dq_kernel, dq_tiling(group, bdk, bdv, sel_block, bf16),
-                     dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies, KEY_AXIS=dq_axis)))
+                     dict(SPLIT_DS=True, HEAD_ROWS=head_rows, COPIES=copies, KEY_AXIS=dq_axis, BLOCK_DK=dq_first,
+                          BLOCK_DK2=dq_second)))
         for kind, kernel, t, flags in launches:
             cases.append(Case(f"selected {layout} {kind} {t.block_n} keys", kernel, pointers(kernel),
                               dict(BLOCK_H=block_h[kind], BLOCK_N=t.block_n, TILES_PER_BLOCK=sel_block // t.block_n,
-                                   **flags, **dims), t.num_warps, t.num_stages,
+                                   **{**dims, **flags}), t.num_warps, t.num_stages,
                               measured_stack=SELECTED_MEASURED_STACK.get((kind, bdk + bdv), 0)))
         t = dkdv_tiling(group, bdk, bdv, sel_block, torch.bfloat16)
         cases.append(Case(f"selected {layout} dk/dv {t.block_n} x {t.block_cols}", _selected_attention_bwd_dkdv_kernel,

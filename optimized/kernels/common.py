@@ -214,6 +214,12 @@ def dq_head_tile(group: int, split_ds: bool, width: int) -> tuple[int, int, int,
     return (padded(group), 1) + dq_row_copies(group, split_ds)
 
 
+def dq_head_dim_tiles(d: int, copies: int) -> tuple[int, int]:
+    """head_dim_tiles for a selected dq launch whose tile holds `copies` copies of the group's rows (dq_head_tile):
+    one padded tile where there are several (the copies are summed back over that one tile)."""
+    return head_dim_tiles(d) if copies == 1 else (padded(d), 0)
+
+
 def dq_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
     """Heuristic launch of the dq kernel (query-centric like the forward) for a KV group of `group` heads:
     few_warps' for small half-precision query tiles, with three stages instead of two where the tile's free rows

@@ -48,9 +48,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..numerics import LOG2E
-from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_head_tile, dq_tiling,
-                     head_dim_tiles, heads_dot, heads_per_query, key_tile_rows, launch_tiling, padded,
-                     second_head_tile, selected_block_keys, smaller_dkdv_tilings)
+from .common import (DkdvTiling, Tiling, compensated_add, dkdv_tiling, dot, dot_settings, dq_head_dim_tiles,
+                     dq_head_tile, dq_tiling, head_dim_tiles, heads_dot, heads_per_query, key_tile_rows, launch_tiling,
+                     padded, second_head_tile, selected_block_keys, smaller_dkdv_tilings)
 from .range_attention_bwd import range_attention_backward_dq
 from .selected_attention_index import build_inverted_index
 
@@ -472,7 +472,7 @@ def selected_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, indices: Ten
     dot_fp32, precision = dot_settings(q.dtype)
     split_ds = q.dtype != torch.float32
     block_h, key_axis, head_rows, copies = dq_head_tile(group, split_ds, max(block_dk, block_dv))
-    dk_tile, dk_tile2 = head_dim_tiles(dk_dim) if copies == 1 else (block_dk, 0)  # copies keep one padded tile
+    dk_tile, dk_tile2 = dq_head_dim_tiles(dk_dim, copies)
 
     def launch(tiling: Tiling) -> None:
         _selected_attention_bwd_dq_kernel[(TQ, Hkv, B)](

@@ -262,6 +262,14 @@ def test_dq_packs_the_split_into_the_free_rows_of_small_groups() -> None:
     assert dq_tiling(6, 128, 128, 64, torch.bfloat16).num_stages == 2
 
 
+def test_dq_reads_two_head_dim_tiles_only_with_one_copy_of_its_rows() -> None:
+    from optimized.kernels.common import dq_head_dim_tiles
+
+    assert dq_head_dim_tiles(192, 1) == (128, 64) and dq_head_dim_tiles(40, 1) == (32, 16)
+    assert dq_head_dim_tiles(192, 2) == (256, 0) and dq_head_dim_tiles(40, 3) == (64, 0)
+    assert dq_head_dim_tiles(128, 1) == (128, 0)
+
+
 def test_wide_heads_take_the_launches_measured_for_them() -> None:
     """Half precision at head dims padded beyond 128 (the paper's d_k = 192 pads to 256), groups of 1-32: the
     forward on 32-key tiles with 2 warps, dq on 64-key tiles with 4 warps, dk/dv on 32 keys x 64 columns with 4 warps,
