@@ -63,10 +63,11 @@ def padded(n: int) -> int:
 
 
 def head_dim_tiles(d: int) -> tuple[int, int]:
-    """(BLOCK_DK, BLOCK_DK2): the tiles the range kernels read a q/k head dim in. One power-of-two tile (padded(d),
-    0), or two where d is wider than a power of two p >= 16 and p plus the padded rest is narrower than padded(d):
-    192 = 128 + 64, 96 = 64 + 32, 48 = 32 + 16 are read as two exact tiles instead of one padded to 256, 128, 64, so
-    no dot multiplies a quarter of zeros and the dq and dk accumulators hold a quarter fewer columns."""
+    """(BLOCK_DK, BLOCK_DK2): the tiles the range, scores and selected kernels read a q/k head dim in (the selected
+    dq: dq_head_dim_tiles). One power-of-two tile (padded(d), 0), or two where d is wider than a power of two
+    p >= 16 and p plus the padded rest is narrower than padded(d): 192 = 128 + 64, 96 = 64 + 32, 48 = 32 + 16 are
+    read as two exact tiles instead of one padded to 256, 128, 64, so no dot multiplies a quarter of zeros and the
+    dq and dk accumulators hold a quarter fewer columns."""
     full = padded(d)
     first = full // 2
     if first >= MIN_DOT and d > first:
