@@ -381,7 +381,8 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 # to fewer heads keeps one head per program with the same tile sizes. At d = 64 (prod-125m's group of 6, padded to
 # 8: a quarter of each tile is padding) no 8-head tile of any of the three kernels beat the one-head ones, so that
 # width keeps one head. At that width the forward and dq take three stages (prod-125m's window and compressed
-# ranges at 16k x 1 and 2k x 8: forward -3 to -4%, dq -4 to -9% against two; perf/NOTES.md).
+# ranges at 16k x 1 and 2k x 8: forward -3 to -4%, dq -4 to -9% against two; perf/NOTES.md). The d = 128 dq takes
+# three stages (whole compressed backward at 64k 39.3 -> 37.3 ms, 1-3% at 8k and 16k; reports/perf/range_entries/).
 # At the paper's own d_k = 192 / d_v = 128 (looked up as padded 256 + 128 = 384; the scores kernel reads d_k twice,
 # 512), measured with d_k read as 128 + 64 (head_dim_tiles) at 16k and 64k tokens on an H100 (perf/NOTES.md): the
 # forward on 3 stages with the group's 16 heads per tile; dq on 128 x 32 tiles of the 16 heads (whole compressed /
@@ -394,7 +395,7 @@ RANGE_KINDS = ("forward", "lse", "dq", "dkdv", "scores")  # keys of _RANGE_TABLE
 _RANGE_TABLE = {
     "forward": ((128, (128, 64, 8, 3)), (256, (64, 64, 4, 3, 16)), (384, (128, 64, 8, 3, 16)), (512, (64, 32, 8, 2))),
     "lse": ((128, (128, 64, 8, 2)), (256, (64, 32, 4, 2)), (384, (128, 64, 8, 2)), (512, (64, 32, 8, 2))),
-    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 2, 16)), (384, (128, 32, 8, 2, 16)), (512, (32, 32, 8, 2))),
+    "dq": ((128, (64, 32, 4, 3)), (256, (128, 64, 8, 3, 16)), (384, (128, 32, 8, 2, 16)), (512, (32, 32, 8, 2))),
     "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (16, 64, 4, 3, 16)), (512, (32, 16, 8, 2))),
     "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (128, 64, 8, 2))),
 }

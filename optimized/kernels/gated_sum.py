@@ -14,7 +14,10 @@ gated_sum_kernel is differentiable in the gates and the branch outputs; its back
 (_gated_sum_bwd_kernel) with that expression's autograd arithmetic: d o_c = g_c * do in the compute dtype rounded
 to o_c's dtype (bitwise the expression's gradient), d g_c = the sum over d_v of do * o_c in the compute dtype
 rounded to the gates' dtype (the expression's gradient up to the order of that sum: a row reduction in the kernel,
-torch's reduction kernel there), without the widened copies of do and each o_c a torch backward makes.
+torch's reduction kernel there), without the widened copies of do and each o_c a torch backward makes. A branch
+output made by the range-attention kernel (the compressed and window branches) also gets D0 = sum over d_v of its
+d o_c * o_c from this pass, handed to that kernel's backward with d o_c (range_attention.supply_delta0), which
+then spends no pass of its own over d o_c and o_c on FlashAttention-2's D.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from .common import row_pass_shape, row_view
+from .range_attention import supply_delta0, takes_supplied_delta0
 
 INPUT_DTYPES = KERNEL_DTYPES + (torch.float64,)  # the selected branch hands o_slc in the compute dtype
 COMPUTE_DTYPES = (torch.float32, torch.float64)
@@ -77,19 +81,26 @@ def _gated_sum_kernel(
 
 
 @triton.jit
-def _branch_grads(G, O, D_O, DG, rows, cols, row_ok, mask, do, stride_g, stride_o, stride_d_o, stride_dg,
-                  WIDE: tl.constexpr, GRAD_OUTS: tl.constexpr, GRAD_GATES: tl.constexpr, PRESENT: tl.constexpr):
+def _branch_grads(G, O, D_O, DG, DELTA0, rows, cols, row_ok, mask, do, stride_g, stride_o, stride_d_o, stride_dg,
+                  WIDE: tl.constexpr, GRAD_OUTS: tl.constexpr, GRAD_GATES: tl.constexpr, PRESENT: tl.constexpr,
+                  WITH_DELTA0: tl.constexpr):
     """One branch c of Eq. 5's backward (G, DG: its gate column): d o_c = g_c * do, d g_c = sum_dv do * o_c; a
-    branch left out (not PRESENT) gets d g_c = 0."""
+    branch left out (not PRESENT) gets d g_c = 0. WITH_DELTA0 (with GRAD_OUTS): also D0 = sum_dv d o_c * o_c of
+    the stored (rounded) d o_c, the backward of the branch's range attention's FlashAttention-2 D, in the compute
+    dtype stored as fp32 (DELTA0: [rows] contiguous)."""
     if PRESENT:
         g = tl.load(G + rows * stride_g, mask=row_ok, other=0.0)
         g = g.to(tl.float64) if WIDE else g.to(tl.float32)
-        if GRAD_OUTS:
-            tl.store(D_O + rows[:, None] * stride_d_o + cols[None, :], (do * g[:, None]).to(D_O.dtype.element_ty),
-                     mask=mask)
-        if GRAD_GATES:
+        if GRAD_GATES or WITH_DELTA0:
             o = tl.load(O + rows[:, None] * stride_o + cols[None, :], mask=mask, other=0.0)
             o = o.to(tl.float64) if WIDE else o.to(tl.float32)
+        if GRAD_OUTS:
+            d_o = (do * g[:, None]).to(D_O.dtype.element_ty)
+            tl.store(D_O + rows[:, None] * stride_d_o + cols[None, :], d_o, mask=mask)
+            if WITH_DELTA0:
+                d_o = d_o.to(tl.float64) if WIDE else d_o.to(tl.float32)
+                tl.store(DELTA0 + rows, tl.sum(d_o * o, 1).to(tl.float32), mask=row_ok)
+        if GRAD_GATES:
             tl.store(DG + rows * stride_dg, tl.sum(do * o, 1).to(DG.dtype.element_ty), mask=row_ok)
     elif GRAD_GATES:
         tl.store(DG + rows * stride_dg, tl.zeros([rows.shape[0]], dtype=DG.dtype.element_ty), mask=row_ok)
@@ -97,12 +108,13 @@ def _branch_grads(G, O, D_O, DG, rows, cols, row_ok, mask, do, stride_g, stride_
 
 @triton.jit
 def _gated_sum_bwd_kernel(
-    G, DO, O_CMP, O_SLC, O_WIN, D_CMP, D_SLC, D_WIN, DG,
+    G, DO, O_CMP, O_SLC, O_WIN, D_CMP, D_SLC, D_WIN, DG, DELTA0_CMP, DELTA0_SLC, DELTA0_WIN,
     stride_g, stride_gc, stride_do, stride_cmp, stride_slc, stride_win, stride_dcmp, stride_dslc, stride_dwin,
     stride_dg, stride_dgc,
     n_rows, dv,
     WIDE: tl.constexpr, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr, GRAD_OUTS: tl.constexpr,
     GRAD_GATES: tl.constexpr, HAS_CMP: tl.constexpr, HAS_SLC: tl.constexpr, HAS_WIN: tl.constexpr,
+    DELTA0_OF_CMP: tl.constexpr, DELTA0_OF_SLC: tl.constexpr, DELTA0_OF_WIN: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_DV)
@@ -110,12 +122,12 @@ def _gated_sum_bwd_kernel(
     mask = row_ok[:, None] & (cols[None, :] < dv)
     do = tl.load(DO + rows[:, None] * stride_do + cols[None, :], mask=mask, other=0.0)
     do = do.to(tl.float64) if WIDE else do.to(tl.float32)
-    _branch_grads(G, O_CMP, D_CMP, DG, rows, cols, row_ok, mask, do, stride_g, stride_cmp, stride_dcmp, stride_dg,
-                  WIDE, GRAD_OUTS, GRAD_GATES, HAS_CMP)
-    _branch_grads(G + stride_gc, O_SLC, D_SLC, DG + stride_dgc, rows, cols, row_ok, mask, do, stride_g, stride_slc,
-                  stride_dslc, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES, HAS_SLC)
-    _branch_grads(G + 2 * stride_gc, O_WIN, D_WIN, DG + 2 * stride_dgc, rows, cols, row_ok, mask, do, stride_g,
-                  stride_win, stride_dwin, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES, HAS_WIN)
+    _branch_grads(G, O_CMP, D_CMP, DG, DELTA0_CMP, rows, cols, row_ok, mask, do, stride_g, stride_cmp, stride_dcmp,
+                  stride_dg, WIDE, GRAD_OUTS, GRAD_GATES, HAS_CMP, DELTA0_OF_CMP)
+    _branch_grads(G + stride_gc, O_SLC, D_SLC, DG + stride_dgc, DELTA0_SLC, rows, cols, row_ok, mask, do, stride_g,
+                  stride_slc, stride_dslc, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES, HAS_SLC, DELTA0_OF_SLC)
+    _branch_grads(G + 2 * stride_gc, O_WIN, D_WIN, DG + 2 * stride_dgc, DELTA0_WIN, rows, cols, row_ok, mask, do,
+                  stride_g, stride_win, stride_dwin, stride_dg, WIDE, GRAD_OUTS, GRAD_GATES, HAS_WIN, DELTA0_OF_WIN)
 
 
 def gated_sum_forward(gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, o_win: Tensor | None,
@@ -143,31 +155,42 @@ def gated_sum_forward(gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None,
 
 
 def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor | None, o_slc: Tensor | None, o_win: Tensor | None,
-                       compute: torch.dtype, grad_outs: bool, grad_gates: bool) -> tuple[Tensor | None, ...]:
+                       compute: torch.dtype, grad_outs: bool, grad_gates: bool,
+                       delta0: tuple[Tensor | None, ...] = (None, None, None)) -> tuple[Tensor | None, ...]:
     """Eq. 5's gradients (module docstring): (d gates [..., 3] in the gates' dtype, d o_cmp, d o_slc, d o_win in
-    each output's dtype); None for the ones not asked for and the branches left out."""
+    each output's dtype); None for the ones not asked for and the branches left out.
+    delta0: per branch, None or an fp32 tensor [B, T, Hq] (contiguous) that receives D0 = sum over d_v of the
+    branch's d o_c (as stored, rounded) * o_c, with grad_outs: the FlashAttention-2 D of a range-attention
+    backward of that branch, formed here from the values this pass reads anyway."""
     outs = (o_cmp, o_slc, o_win)
     dv = do.shape[-1]
     d_outs = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if grad_outs and o is not None else None
               for o in outs]
     d_gates = torch.empty(gates.shape, dtype=gates.dtype, device=gates.device) if grad_gates else None
+    deltas = [x if grad_outs and o is not None else None for x, o in zip(delta0, outs)]
+    for x, o in zip(deltas, outs):
+        if x is not None and (x.dtype != torch.float32 or x.shape != o.shape[:-1] or not x.is_contiguous()):
+            raise ValueError(f"gated_sum_backward: delta0 must be a contiguous float32 tensor {list(o.shape[:-1])}, "
+                             f"got {x.dtype} {tuple(x.shape)}")
     g, d = row_view(gates), row_view(do)
     c, s, w = (row_view(x) if x is not None else d for x in outs)  # unused pointers: any tensor
     dc, ds, dw = (row_view(x) if x is not None else d for x in d_outs)
     dg = row_view(d_gates) if d_gates is not None else g
     n_rows = d.shape[0]
     if n_rows * dv == 0:
-        if d_gates is not None:
-            d_gates.zero_()
+        for x in (d_gates, *deltas):
+            if x is not None:
+                x.zero_()
         return d_gates, *d_outs
     block_dv, rows = row_pass_shape(dv)
     _gated_sum_bwd_kernel[(triton.cdiv(n_rows, rows),)](
-        g, d, c, s, w, dc, ds, dw, dg,
+        g, d, c, s, w, dc, ds, dw, dg, *(x if x is not None else dg for x in deltas),
         g.stride(0), g.stride(1), d.stride(0), c.stride(0), s.stride(0), w.stride(0), dc.stride(0), ds.stride(0),
         dw.stride(0), dg.stride(0), dg.stride(1),
         n_rows, dv,
         WIDE=compute == torch.float64, ROWS=rows, BLOCK_DV=block_dv, GRAD_OUTS=grad_outs, GRAD_GATES=grad_gates,
         HAS_CMP=o_cmp is not None, HAS_SLC=o_slc is not None, HAS_WIN=o_win is not None,
+        DELTA0_OF_CMP=deltas[0] is not None, DELTA0_OF_SLC=deltas[1] is not None, DELTA0_OF_WIN=deltas[2] is not None,
         num_warps=4, enable_fp_fusion=False,
     )
     return d_gates, *d_outs
@@ -181,15 +204,22 @@ class GatedSumFunction(torch.autograd.Function):
                 compute: torch.dtype, dtype: torch.dtype):
         ctx.save_for_backward(gates, o_cmp, o_slc, o_win)
         ctx.compute, ctx.dtype = compute, dtype
+        # branch outputs of range attention: backward hands their backward D0 along with their gradients
+        ctx.delta0_of = tuple(o is not None and takes_supplied_delta0(o) for o in (o_cmp, o_slc, o_win))
         return gated_sum_forward(gates, o_cmp, o_slc, o_win, compute, dtype)
 
     @staticmethod
     def backward(ctx, do: Tensor):
         gates, o_cmp, o_slc, o_win = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        delta0 = tuple(torch.empty(o.shape[:-1], dtype=torch.float32, device=o.device) if wanted and need else None
+                       for o, wanted, need in zip((o_cmp, o_slc, o_win), ctx.delta0_of, needs[1:4]))
         d_gates, *d_outs = gated_sum_backward(do, gates, o_cmp, o_slc, o_win, ctx.compute,
-                                              grad_outs=any(needs[1:4]), grad_gates=needs[0])
+                                              grad_outs=any(needs[1:4]), grad_gates=needs[0], delta0=delta0)
         d_outs = [d if need else None for d, need in zip(d_outs, needs[1:4])]
+        for d_o, d0 in zip(d_outs, delta0):
+            if d0 is not None:
+                supply_delta0(d_o, d0)
         return d_gates, *d_outs, None, None
 
 

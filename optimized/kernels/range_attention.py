@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from reference.config import NSAConfig
 
@@ -161,9 +162,29 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
     return o, lse2
 
 
+# D0 = rowsum(dO * O) of a RangeAttentionFunction output, handed over with dO by the op that consumed the output
+# and already read dO and O in its own backward (Eq. 5's kernel: kernels.gated_sum), keyed by the gradient tensor
+# itself: an entry lives only as long as that dO, and a dO that autograd summed from several consumers (a new
+# tensor) finds none, so its backward forms D0 itself.
+_SUPPLIED_DELTA0 = WeakTensorKeyDictionary()
+
+
+def takes_supplied_delta0(o: Tensor) -> bool:
+    """Whether o is an output of RangeAttentionFunction, whose backward reads a D0 supplied with its gradient
+    (supply_delta0) instead of forming it in a pass of its own over dO and o."""
+    return getattr(o.grad_fn, "_forward_cls", None) is RangeAttentionFunction
+
+
+def supply_delta0(do: Tensor, delta0: Tensor) -> None:
+    """Hand D0 = rowsum(do * o) [B, TQ, Hq] fp32 (contiguous) to the backward of the RangeAttentionFunction
+    output o whose gradient is do (takes_supplied_delta0(o)); that backward uses it once (and overwrites it)."""
+    _SUPPLIED_DELTA0[do] = delta0
+
+
 class RangeAttentionFunction(torch.autograd.Function):
     """(o, lse2) of Eq. 2 over each row's key range, lse2 the base-2 log-sum-exp of the scaled logits; gradients
-    for q, k, v (lse2 is not differentiable)."""
+    for q, k, v (lse2 is not differentiable). Backward takes D0 from the op that consumed o when it supplied one
+    with the gradient (supply_delta0), else forms it."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float):
@@ -176,7 +197,11 @@ class RangeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor, _dlse2: Tensor):
         q, k, v, lo, hi, o, lse2 = ctx.saved_tensors
-        dq, dk, dv = range_attention_backward(q, k, v, lo, hi, o, lse2, do.contiguous(), ctx.scale)
+        delta0 = _SUPPLIED_DELTA0.pop(do, None)
+        if delta0 is not None and (delta0.shape != lse2.shape or delta0.dtype != torch.float32
+                                   or not delta0.is_contiguous()):
+            delta0 = None
+        dq, dk, dv = range_attention_backward(q, k, v, lo, hi, o, lse2, do.contiguous(), ctx.scale, delta0=delta0)
         return dq, dk, dv, None, None, None
 
 

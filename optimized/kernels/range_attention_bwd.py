@@ -1,7 +1,8 @@
 """Backward Triton kernels of range attention (range_attention.py), FlashAttention-2 style, deterministic.
 
 With lse2 from the forward and delta = rowsum(dO * O) (FlashAttention-2's D, one pass over dO and O:
-range_attention_delta), the probabilities are rebuilt as
+range_attention_delta, or handed over with dO by Eq. 5's backward, which reads both anyway: kernels/gated_sum.py),
+the probabilities are rebuilt as
 P = 2^(s * scale * log2(e) - lse2) inside each row's range (exactly 0 outside it, so an empty row sends nothing
 back), dP = dO V^T, dS = P * (dP - delta), and
 - dq: one program per tile of (query row, head) rows, as the forward's, walks the key tiles of its rows' ranges:
@@ -421,14 +422,18 @@ def _launch_arguments(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse2: Tensor)
 
 def range_attention_backward_dq(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, o: Tensor, lse2: Tensor,
                                 do: Tensor, scale: float, *, tiling: RangeTiling | None = None,
-                                consistent_d: bool = True, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                                consistent_d: bool = True, out: Tensor | None = None,
+                                delta0: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dq, D) of range attention: dq [B, TQ, Hq, dk] in q's dtype and D [B, TQ, Hq] fp32 (contiguous, lse2's
     layout), the consistent sum P dP the dk/dv pass takes (FlashAttention-2's rowsum(dO * O) with
-    consistent_d=False). out: a [B, TQ, Hq, dk] tensor of q's dtype (last dim contiguous) to write dq into."""
+    consistent_d=False). out: a [B, TQ, Hq, dk] tensor of q's dtype (last dim contiguous) to write dq into.
+    delta0: D0 = rowsum(dO * O) in that layout when the caller has it (then no pass of its own; the tensor is
+    overwritten with D and returned)."""
     B, TQ, Hq, dk = q.shape
     TK = k.shape[1]
     dq = out if out is not None else torch.empty_like(q)
-    delta = range_attention_delta(do, o)  # D0; the dq kernel overwrites it with the consistent D
+    # D0; the dq kernel overwrites it with the consistent D
+    delta = range_attention_delta(do, o) if delta0 is None else delta0
     if B * TQ * Hq == 0 or TK == 0:
         return dq.zero_(), delta
     common, strides = _launch_arguments(q, k, v, do, lse2)
@@ -450,7 +455,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
                              do: Tensor, scale: float, *, dq_tiling: RangeTiling | None = None,
                              dkdv_tiling: RangeTiling | None = None, split: int | None = None,
                              row_chunks: bool | None = None,
-                             consistent_d: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                             consistent_d: bool = True, delta0: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of range attention for the forward's o and lse2 (inputs validated, last dims contiguous).
     dq_tiling, dkdv_tiling: launched as given (the probes time them); default the launch table's, shrunk if the GPU
     lacks the resources (common.launch_tiling).
@@ -462,7 +467,8 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     are read by long runs of mostly the same rows: shared chunks let the tiles running side by side read them once
     from memory), else equal parts (the window: each tile's run is short and its own).
     consistent_d: D = sum P dP from the dq pass instead of rowsum(dO * O) (module docstring); False is
-    FlashAttention-2's D0, kept for the split test and perf.prefill_probe's before/after timing."""
+    FlashAttention-2's D0, kept for the split test and perf.prefill_probe's before/after timing.
+    delta0: as range_attention_backward_dq's."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dkey = torch.empty_like(k)
@@ -472,7 +478,7 @@ def range_attention_backward(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Te
     if TQ == 0:
         return torch.empty_like(q), dkey.zero_(), dval.zero_()
     dq, delta = range_attention_backward_dq(q, k, v, lo, hi, o, lse2, do, scale, tiling=dq_tiling,
-                                            consistent_d=consistent_d)
+                                            consistent_d=consistent_d, delta0=delta0)
     common, strides = _launch_arguments(q, k, v, do, lse2)
 
     def launch_dkdv(t: RangeTiling) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,9 @@ import torch
 import optimized as O
 from conformance.helpers import error_ratio, make_inputs
 from optimized.forward import gated_sum
-from optimized.kernels.gated_sum import gated_sum_kernel
+from optimized.kernels import gated_sum as eq5
+from optimized.kernels import range_attention, range_attention_bwd
+from optimized.kernels.gated_sum import gated_sum_backward, gated_sum_kernel
 from optimized.dispatch import compute_dtype
 from reference.config import NSAConfig
 
@@ -106,6 +108,61 @@ def test_backward_of_some_outputs_and_strided_upstream_gradient() -> None:
     (got,) = torch.autograd.grad(o, [outs[1]], do)
     (want,) = torch.autograd.grad(torch_expression(gates, *outs, dtype), [outs[1]], do)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_writes_delta0_of_the_stored_output_gradients(dtype) -> None:
+    """The delta0 buffers receive D0 = sum over d_v of the branch's d o_c as stored (rounded to its dtype) times o_c,
+    the FlashAttention-2 D of a range-attention backward, against an fp64 sum of the same values; a branch given no
+    buffer writes none. (At fp16 a D0 of the unrounded g_c * do misses the bound by ~25x.)"""
+    gates, outs = branch_outputs((2, 13, 3, 40), dtype, seed=6)
+    do = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    delta0 = tuple(torch.full(outs[0].shape[:3], float("nan"), device=DEVICE) if i != 1 else None for i in range(3))
+    d_gates, *d_outs = gated_sum_backward(do, gates, *outs, compute_dtype(dtype), grad_outs=True, grad_gates=False,
+                                          delta0=delta0)
+    assert d_gates is None
+    for i in (0, 2):
+        want = (d_outs[i].double() * outs[i].double()).sum(-1)
+        assert (delta0[i].double() - want).abs().max().item() <= 1e-5 * want.abs().max().item(), f"branch {i}"
+    with pytest.raises(ValueError, match="delta0 must be a contiguous float32 tensor"):
+        gated_sum_backward(do, gates, *outs, compute_dtype(dtype), grad_outs=True, grad_gates=False,
+                           delta0=(None, None, torch.zeros(outs[0].shape[:3], dtype=torch.float64, device=DEVICE)))
+
+
+def test_range_branches_take_delta0_from_eq5_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the kernel path o_cmp and o_win go from the range kernel straight into Eq. 5's kernel, whose backward
+    hands each its D0 with its gradient: the range backwards run no D0 pass of their own, and the gradients are
+    those of the run where each forms D0 itself (the same sum of the same values, up to its order). A branch output
+    that also feeds another op gets the sum of two gradients (a new tensor), so its backward forms D0 itself; no
+    handed-over D0 outlives the backward."""
+    cfg = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, n_init=1, n_local=1, window=6, n_heads=4,
+                    n_kv_heads=2, head_dim_qk=16, head_dim_v=16, phi="avg")
+    x = make_inputs(cfg, 33, seed=8, dtype=torch.float32, device=DEVICE)
+    leaves = [x.q, x.gates, x.kv.cmp.k, x.kv.cmp.v, x.kv.win.k, x.kv.win.v]
+    for t in leaves:
+        t.requires_grad_()
+    g = torch.Generator().manual_seed(9)
+    do, do_cmp = (torch.randn(x.q.shape[:3] + (cfg.head_dim_v,), generator=g).to(DEVICE) for _ in range(2))
+    passes = []
+    real_delta = range_attention_bwd.range_attention_delta
+    monkeypatch.setattr(range_attention_bwd, "range_attention_delta", lambda *a: passes.append(1) or real_delta(*a))
+
+    def grads(also_cmp: bool = False):
+        passes.clear()
+        out = O.nsa_forward(x.q, x.kv, x.gates, cfg, range_backend="triton", branches=("cmp", "win"))
+        loss = (out.o * do).sum() + ((out.o_cmp * do_cmp).sum() if also_cmp else 0)
+        return torch.autograd.grad(loss, leaves), len(passes)
+
+    handed, handed_passes = grads()
+    summed, summed_passes = grads(also_cmp=True)
+    assert len(range_attention._SUPPLIED_DELTA0) == 0
+    monkeypatch.setattr(eq5, "takes_supplied_delta0", lambda o: False)
+    own, own_passes = grads()
+    own_summed, _ = grads(also_cmp=True)
+    assert (handed_passes, summed_passes, own_passes) == (0, 1, 2)
+    for name, a, b, c, d in zip(("q", "gates", "k_cmp", "v_cmp", "k_win", "v_win"), handed, own, summed, own_summed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(c, d, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_layer_output_on_the_kernel_path_is_the_gated_sum_of_its_branches() -> None:
