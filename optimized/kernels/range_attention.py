@@ -164,9 +164,10 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
 
 # D0 = rowsum(dO * O) of a RangeAttentionFunction output, handed over with dO by the op that consumed the output
 # and already read dO and O in its own backward (Eq. 5's kernel: kernels.gated_sum), keyed by the gradient tensor
-# itself: an entry lives only as long as that dO, and a dO that autograd summed from several consumers (a new
-# tensor) finds none, so its backward forms D0 itself.
-_SUPPLIED_DELTA0 = WeakTensorKeyDictionary()
+# itself, with its version counter: an entry lives only as long as that dO, and a dO that autograd summed from
+# several consumers, into a new tensor or into this one in place (a new version), is not taken for it, so that
+# backward forms D0 itself.
+_SUPPLIED_DELTA0 = WeakTensorKeyDictionary()  # dO -> (D0, dO._version when supplied)
 
 
 def takes_supplied_delta0(o: Tensor) -> bool:
@@ -178,7 +179,7 @@ def takes_supplied_delta0(o: Tensor) -> bool:
 def supply_delta0(do: Tensor, delta0: Tensor) -> None:
     """Hand D0 = rowsum(do * o) [B, TQ, Hq] fp32 (contiguous) to the backward of the RangeAttentionFunction
     output o whose gradient is do (takes_supplied_delta0(o)); that backward uses it once (and overwrites it)."""
-    _SUPPLIED_DELTA0[do] = delta0
+    _SUPPLIED_DELTA0[do] = (delta0, do._version)
 
 
 class RangeAttentionFunction(torch.autograd.Function):
@@ -197,9 +198,9 @@ class RangeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor, _dlse2: Tensor):
         q, k, v, lo, hi, o, lse2 = ctx.saved_tensors
-        delta0 = _SUPPLIED_DELTA0.pop(do, None)
-        if delta0 is not None and (delta0.shape != lse2.shape or delta0.dtype != torch.float32
-                                   or not delta0.is_contiguous()):
+        delta0, version = _SUPPLIED_DELTA0.pop(do, (None, None))
+        if delta0 is not None and (version != do._version or delta0.shape != lse2.shape
+                                   or delta0.dtype != torch.float32 or not delta0.is_contiguous()):
             delta0 = None
         dq, dk, dv = range_attention_backward(q, k, v, lo, hi, o, lse2, do.contiguous(), ctx.scale, delta0=delta0)
         return dq, dk, dv, None, None, None

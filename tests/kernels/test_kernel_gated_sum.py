@@ -165,6 +165,37 @@ def test_range_branches_take_delta0_from_eq5_backward(monkeypatch: pytest.Monkey
         torch.testing.assert_close(c, d, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_supplied_delta0_is_taken_only_for_the_gradient_it_came_with() -> None:
+    """The range backward takes a supplied D0 (NaN here, so that taking it shows in dq and dk; dv = P^T dO does not
+    read D) for the very gradient tensor it was supplied with, unchanged; after that tensor changed in place
+    (autograd summing another consumer's gradient into it) or for another tensor of the same values, it forms its
+    own D0, and the gradients are those of a run with nothing supplied."""
+    cfg = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=8, n_sel=3, n_init=1, n_local=1, window=6, n_heads=4,
+                    n_kv_heads=2, head_dim_qk=16, head_dim_v=16)
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(shape, generator=g).to(DEVICE).requires_grad_() for shape in
+               ((1, 21, 4, 16), (1, 21, 2, 16), (1, 21, 2, 16)))
+    lo, hi = range_attention.window_ranges(torch.arange(21), cfg)
+    do = torch.randn((1, 21, 4, 16), generator=g).to(DEVICE)
+
+    def grads(supplied_to=None, changed: bool = False, passed=None):
+        o, _ = range_attention.range_attention_lse2(q, k, v, lo, hi)
+        if supplied_to is not None:
+            range_attention.supply_delta0(supplied_to, torch.full(o.shape[:3], float("nan"), device=DEVICE))
+            if changed:
+                supplied_to.mul_(1.0)
+        return torch.autograd.grad(o, (q, k, v), do if passed is None else passed)
+
+    plain = grads()
+    mine = do.clone()
+    dq, dk, dv = grads(supplied_to=mine, passed=mine)
+    assert dq.isnan().any() and dk.isnan().any() and torch.equal(dv, plain[2])
+    for got in (grads(supplied_to=mine, changed=True, passed=mine), grads(supplied_to=do.clone())):
+        for a, b in zip(got, plain):
+            assert torch.equal(a, b)
+    assert len(range_attention._SUPPLIED_DELTA0) == 0
+
+
 def test_layer_output_on_the_kernel_path_is_the_gated_sum_of_its_branches() -> None:
     """nsa_forward(range_backend="triton") returns o = Eq. 5 of the o_cmp, o_slc, o_win it returns (fp16: o_slc
     is its kernel's fp16 output widened, so rounding it back loses nothing)."""
