@@ -175,7 +175,7 @@ def test_a_supplied_delta0_is_taken_only_for_the_gradient_it_came_with() -> None
     g = torch.Generator().manual_seed(10)
     q, k, v = (torch.randn(shape, generator=g).to(DEVICE).requires_grad_() for shape in
                ((1, 21, 4, 16), (1, 21, 2, 16), (1, 21, 2, 16)))
-    lo, hi = range_attention.window_ranges(torch.arange(21), cfg)
+    lo, hi = range_attention.window_ranges(torch.arange(21, device=DEVICE), cfg)
     do = torch.randn((1, 21, 4, 16), generator=g).to(DEVICE)
 
     def grads(supplied_to=None, changed: bool = False, passed=None):
