@@ -70,6 +70,22 @@ def _copy_entries(x, which: tl.constexpr, N_COPIES: tl.constexpr, HEAD_ROWS: tl.
 
 
 @triton.jit
+def _split_ds_products(dq, dq_lo, p_k, ds_hi, ds_lo, probs, k_tile, KEY_AXIS: tl.constexpr,
+                       DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One key tile's products with one head-dim tile of k (one copy of the rows): dS hi and dS lo onto dq, P (in
+    k's dtype) onto sum P k. With the heads as the tiles' columns (KEY_AXIS 0) dS lo goes to an accumulator of its
+    own, dq_lo (its product need not wait for hi's); with the heads as rows it is added onto dq, and dq_lo is
+    returned as given."""
+    dq += heads_dot(ds_hi, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+    if KEY_AXIS == 0:
+        dq_lo += heads_dot(ds_lo, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+    else:
+        dq += heads_dot(ds_lo, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+    p_k += heads_dot(probs.to(k_tile.dtype), k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+    return dq, dq_lo, p_k
+
+
+@triton.jit
 def _selected_attention_bwd_dq_kernel(
     Q, K, V, O, DO, STATS, IDX, DQ, DELTA, DOC_START,
     stride_qb, stride_qt, stride_qh,
@@ -137,6 +153,7 @@ def _selected_attention_bwd_dq_kernel(
             p_k2 = tl.zeros([BLOCK_DK2, BLOCK_H], dtype=tl.float32)
         else:
             dq2 = tl.zeros([BLOCK_H, BLOCK_DK2], dtype=tl.float32)
+            dq2_lo = dq2  # not used: the rows layout adds dS lo onto dq2 (_split_ds_products)
             p_k2 = tl.zeros([BLOCK_H, BLOCK_DK2], dtype=tl.float32)
 
     k_base = K + b * stride_kb + g * stride_kh
@@ -148,6 +165,7 @@ def _selected_attention_bwd_dq_kernel(
         p_k = tl.zeros([BLOCK_DK, BLOCK_H], dtype=tl.float32)  # sum_s P_s k_s
     else:
         dq = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
+        dq_lo = dq  # not used: the rows layout adds dS lo onto dq (_split_ds_products)
         p_k = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
     shift = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum_s P_s (dP_s - D0)
     p_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -183,19 +201,11 @@ def _selected_attention_bwd_dq_kernel(
             ds_hi = ds.to(K.dtype.element_ty)
             ds_lo = (ds - ds_hi.to(tl.float32)).to(K.dtype.element_ty)
             if COPIES == 1:
-                dq += heads_dot(ds_hi, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
-                if KEY_AXIS == 0:
-                    dq_lo += heads_dot(ds_lo, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
-                else:
-                    dq += heads_dot(ds_lo, k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
-                p_k += heads_dot(probs.to(K.dtype.element_ty), k_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                dq, dq_lo, p_k = _split_ds_products(dq, dq_lo, p_k, ds_hi, ds_lo, probs, k_tile, KEY_AXIS, DOT_FP32,
+                                                    INPUT_PRECISION)
                 if BLOCK_DK2 > 0:
-                    dq2 += heads_dot(ds_hi, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
-                    if KEY_AXIS == 0:
-                        dq2_lo += heads_dot(ds_lo, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
-                    else:
-                        dq2 += heads_dot(ds_lo, k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
-                    p_k2 += heads_dot(probs.to(K.dtype.element_ty), k2_tile, KEY_AXIS, DOT_FP32, INPUT_PRECISION)
+                    dq2, dq2_lo, p_k2 = _split_ds_products(dq2, dq2_lo, p_k2, ds_hi, ds_lo, probs, k2_tile, KEY_AXIS,
+                                                           DOT_FP32, INPUT_PRECISION)
             elif COPIES == 2:  # copy 0: dS hi, copy 1: dS lo, in one dot; sum P k in its own
                 dq += dot(tl.where(copy[:, None] == 0, ds_hi, ds_lo), k_tile, DOT_FP32, INPUT_PRECISION)
                 p_k += dot(probs.to(K.dtype.element_ty), k_tile, DOT_FP32, INPUT_PRECISION)
