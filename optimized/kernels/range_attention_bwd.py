@@ -72,8 +72,8 @@ def _range_attention_dq_kernel(
     # int32 ranges and keys, int64 pointer offsets; the same key tiles as the forward
     lo, hi, start, last = key_tile_span(LO, HI, offs_m, row_mask, n_keys, BLOCK_N)
 
-    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh + offs_dk[None, :],
-                mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
+    q_rows = Q + b * stride_qb + offs_m[:, None] * stride_qt + h[:, None] * stride_qh
+    q = tl.load(q_rows + offs_dk[None, :], mask=row_mask[:, None] & dk_mask[None, :], other=0.0)
     do = tl.load(DO + b * stride_dob + offs_m[:, None] * stride_dot + h[:, None] * stride_doh + offs_dv[None, :],
                  mask=row_mask[:, None] & dv_mask[None, :], other=0.0)
     lse2 = tl.load(LSE2 + b * stride_lb + offs_m * stride_lt + h, mask=row_mask, other=0.0)
@@ -82,9 +82,7 @@ def _range_attention_dq_kernel(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     if BLOCK_DK2 > 0:
-        q2, offs_dk2, dk_mask2 = second_head_tile(Q + b * stride_qb + offs_m[:, None] * stride_qt
-                                                  + h[:, None] * stride_qh, row_mask, DK, BLOCK_DK, BLOCK_DK2,
-                                                  DOT_FP32)
+        q2, offs_dk2, dk_mask2 = second_head_tile(q_rows, row_mask, DK, BLOCK_DK, BLOCK_DK2, DOT_FP32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_DK2], dtype=tl.float32)
         pk2 = tl.zeros([BLOCK_M, BLOCK_DK2], dtype=tl.float32)
     k_base = K + b * stride_kb + kvh * stride_kh
@@ -179,16 +177,15 @@ def _range_attention_dkdv_kernel(
     dv_mask = offs_dv < DV
 
     keys64 = keys.to(tl.int64)
-    k = tl.load(K + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh + offs_dk[None, :],
-                mask=key_ok[:, None] & dk_mask[None, :], other=0.0)
+    k_rows = K + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh
+    k = tl.load(k_rows + offs_dk[None, :], mask=key_ok[:, None] & dk_mask[None, :], other=0.0)
     v = tl.load(V + b * stride_vb + keys64[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                 mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): k2, q2, dkey2 beside the first
-        k2, offs_dk2, dk_mask2 = second_head_tile(K + b * stride_kb + keys64[:, None] * stride_kt + kvh * stride_kh,
-                                                  key_ok, DK, BLOCK_DK, BLOCK_DK2, DOT_FP32)
+        k2, offs_dk2, dk_mask2 = second_head_tile(k_rows, key_ok, DK, BLOCK_DK, BLOCK_DK2, DOT_FP32)
         dkey2 = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
         dkey2_comp = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
     q_first = tl.load(QFIRST + pid_n)
@@ -215,11 +212,10 @@ def _range_attention_dkdv_kernel(
             rows64 = rows.to(tl.int64)
             lo = tl.load(LO + rows64, mask=col_ok, other=0)
             hi = tl.load(HI + rows64, mask=col_ok, other=-1)
-            q = tl.load(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh
-                        + offs_dk[None, :], mask=col_ok[:, None] & dk_mask[None, :], other=0.0)
+            q_rows = Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh
+            q = tl.load(q_rows + offs_dk[None, :], mask=col_ok[:, None] & dk_mask[None, :], other=0.0)
             if BLOCK_DK2 > 0:
-                q2 = second_head_tile(Q + b * stride_qb + rows64[:, None] * stride_qt + heads64[:, None] * stride_qh,
-                                      col_ok, DK, BLOCK_DK, BLOCK_DK2, False)[0]  # as q: not widened
+                q2 = second_head_tile(q_rows, col_ok, DK, BLOCK_DK, BLOCK_DK2, False)[0]  # as q: not widened
             do = tl.load(DO + b * stride_dob + rows64[:, None] * stride_dot + heads64[:, None] * stride_doh
                          + offs_dv[None, :], mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
             lse2 = tl.load(LSE2 + b * stride_lb + rows64 * stride_lt + heads64, mask=col_ok, other=0.0)

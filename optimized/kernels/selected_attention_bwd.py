@@ -297,8 +297,8 @@ def _selected_attention_bwd_dkdv_kernel(
         pos = block * SEL_BLOCK + in_block
         key_mask = (in_block < SEL_BLOCK) & (pos < n_keys_total)
 
-    k = tl.load(K + b * stride_kb + g * stride_kh + pos[:, None] * stride_kt + offs_dk[None, :],
-                mask=key_mask[:, None] & dk_mask[None, :], other=0.0)
+    k_rows = K + b * stride_kb + g * stride_kh + pos[:, None] * stride_kt
+    k = tl.load(k_rows + offs_dk[None, :], mask=key_mask[:, None] & dk_mask[None, :], other=0.0)
     v = tl.load(V + b * stride_vb + g * stride_vh + pos[:, None] * stride_vt + offs_dv[None, :],
                 mask=key_mask[:, None] & dv_mask[None, :], other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
@@ -306,8 +306,7 @@ def _selected_attention_bwd_dkdv_kernel(
     dk_comp = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dv_comp = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     if BLOCK_DK2 > 0:  # the head dim's second tile (common.head_dim_tiles): k2, q2, dk2 beside the first
-        k2, offs_dk2, dk_mask2 = second_head_tile(K + b * stride_kb + g * stride_kh + pos[:, None] * stride_kt,
-                                                  key_mask, DK, BLOCK_DK, BLOCK_DK2, False)  # as k: not widened
+        k2, offs_dk2, dk_mask2 = second_head_tile(k_rows, key_mask, DK, BLOCK_DK, BLOCK_DK2, False)  # as k: not widened
         dk2 = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
         dk2_comp = tl.zeros([BLOCK_N, BLOCK_DK2], dtype=tl.float32)
 
@@ -316,11 +315,11 @@ def _selected_attention_bwd_dkdv_kernel(
         listed = e < end
         col_ok = head_ok & listed
         t = tl.load(QUERY_ROWS + e, mask=listed, other=0).to(tl.int64)
-        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_dk[None, :],
-                    mask=col_ok[:, None] & dk_mask[None, :], other=0.0)  # [BLOCK_COLS, BLOCK_DK]
+        q_rows = Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh
+        q = tl.load(q_rows + offs_dk[None, :], mask=col_ok[:, None] & dk_mask[None, :],
+                    other=0.0)  # [BLOCK_COLS, BLOCK_DK]
         if BLOCK_DK2 > 0:
-            q2 = second_head_tile(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh, col_ok, DK,
-                                  BLOCK_DK, BLOCK_DK2, False)[0]  # as q: not widened
+            q2 = second_head_tile(q_rows, col_ok, DK, BLOCK_DK, BLOCK_DK2, False)[0]  # as q: not widened
         do = tl.load(DO + b * stride_dob + t[:, None] * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
                      mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
         # Unused columns: m = 1/l = D = 0 and q = dO = 0, so P = dS = 0.
