@@ -179,6 +179,9 @@ def takes_supplied_delta0(o: Tensor) -> bool:
 def supply_delta0(do: Tensor, delta0: Tensor) -> None:
     """Hand D0 = rowsum(do * o) [B, TQ, Hq] fp32 (contiguous) to the backward of the RangeAttentionFunction
     output o whose gradient is do (takes_supplied_delta0(o)); that backward uses it once (and overwrites it)."""
+    if delta0.dtype != torch.float32 or delta0.shape != do.shape[:-1] or not delta0.is_contiguous():
+        raise ValueError(f"supply_delta0: delta0 must be a contiguous float32 tensor {list(do.shape[:-1])} (do's "
+                         f"rows), got {delta0.dtype} {tuple(delta0.shape)}")
     _SUPPLIED_DELTA0[do] = (delta0, do._version)
 
 
@@ -199,8 +202,7 @@ class RangeAttentionFunction(torch.autograd.Function):
     def backward(ctx, do: Tensor, _dlse2: Tensor):
         q, k, v, lo, hi, o, lse2 = ctx.saved_tensors
         delta0, version = _SUPPLIED_DELTA0.pop(do, (None, None))
-        if delta0 is not None and (version != do._version or delta0.shape != lse2.shape
-                                   or delta0.dtype != torch.float32 or not delta0.is_contiguous()):
+        if version != do._version:  # changed in place since (another consumer's gradient summed into it)
             delta0 = None
         dq, dk, dv = range_attention_backward(q, k, v, lo, hi, o, lse2, do.contiguous(), ctx.scale, delta0=delta0)
         return dq, dk, dv, None, None, None

@@ -194,6 +194,8 @@ def test_a_supplied_delta0_is_taken_only_for_the_gradient_it_came_with() -> None
         for a, b in zip(got, plain):
             assert torch.equal(a, b)
     assert len(range_attention._SUPPLIED_DELTA0) == 0
+    with pytest.raises(ValueError, match=r"supply_delta0: delta0 must be a contiguous float32 tensor \[1, 21, 4\]"):
+        range_attention.supply_delta0(do, torch.zeros((1, 21, 4), dtype=torch.float64, device=DEVICE))
 
 
 def test_layer_output_on_the_kernel_path_is_the_gated_sum_of_its_branches() -> None:
