@@ -223,16 +223,19 @@ def dq_head_dim_tiles(d: int, copies: int) -> tuple[int, int]:
 
 def dq_tiling(group: int, block_dk: int, block_dv: int, sel_block: int, dtype: torch.dtype) -> Tiling:
     """Heuristic launch of the dq kernel (query-centric like the forward) for a KV group of `group` heads:
-    few_warps' for small half-precision query tiles, with three stages instead of two where the tile's free rows
-    carry the split dS (dq_row_copies) at d <= 64 (fewer registers: G = 6, d = 64 156 -> 135; one H100, 16k
-    tokens 1.350 -> 1.223 ms, 64k 5.48 -> 4.96; perf/NOTES.md) (few_warps has the layout with the heads as the
-    tiles' columns, dq_head_tile); 64-key tiles on 4 warps in 2 stages for measured_wide_heads; otherwise narrower
-    key tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d] key/value tiles and dq, its compensation and
-    sum(P k) live in registers)."""
+    few_warps' for small half-precision query tiles (few_warps has the layout with the heads as the tiles' columns,
+    dq_head_tile), with three stages instead of two where the tile's free rows carry the split dS (dq_row_copies)
+    at d <= 64 (fewer registers: G = 6, d = 64 156 -> 135; one H100, 16k tokens 1.350 -> 1.223 ms, 64k 5.48 ->
+    4.96; perf/NOTES.md) and for 16-row tiles at d = 128 (the paper's group of 16: 64k tokens 22.43 -> 21.90 ms,
+    8k 2.626 -> 2.608; reports/perf/selected_launch/); 64-key tiles on 4 warps in 2 stages for
+    measured_wide_heads; otherwise narrower key tiles for wide heads and fp32 inputs (the fp32 [BLOCK_N, d]
+    key/value tiles and dq, its compensation and sum(P k) live in registers)."""
     block_h, key_axis, _, copies = dq_head_tile(group, dtype != torch.float32, max(block_dk, block_dv))
     small = few_warps(block_h, block_dk, block_dv, sel_block, dtype, kernel="dq", heads_as_columns=key_axis == 0)
     if small is not None:
         if copies > 1 and max(block_dk, block_dv) <= 64:
+            return Tiling(small.block_n, small.num_warps, num_stages=3)
+        if block_h == 16 and key_axis == 1 and max(block_dk, block_dv) == 128:
             return Tiling(small.block_n, small.num_warps, num_stages=3)
         return small
     if measured_wide_heads(group, max(block_dk, block_dv), dtype):  # G = 16, d_k = 192, 64k tokens: 108 -> 44 ms

@@ -247,7 +247,8 @@ def test_dq_packs_the_split_into_the_free_rows_of_small_groups() -> None:
     (one copy); otherwise rows, where groups up to 4 carry dS hi, dS lo and P in one dot (3 copies), up to 8 dS hi
     and lo (2), larger groups and fp32 inputs (no split) one copy of the whole tile. The half-precision dq cases
     above run each arrangement (group6: columns; group1, group3: 3 copies; group6-dk136: 2; group16: 1). A launch
-    with copies or columns at d <= 64 takes three pipeline stages, the others two."""
+    with copies or columns at d <= 64 takes three pipeline stages, as does the 16-row tile at d = 128; the others
+    two."""
     assert dq_head_tile(6, True, 64) == (8, 0, 8, 1)
     assert dq_head_tile(6, True, 256) == (16, 1, 8, 2)
     assert dq_head_tile(3, True, 64) == (16, 1, 4, 3)
@@ -260,6 +261,9 @@ def test_dq_packs_the_split_into_the_free_rows_of_small_groups() -> None:
     assert dq_tiling(6, 64, 64, 64, torch.bfloat16).num_stages == 3
     assert dq_tiling(16, 64, 64, 64, torch.bfloat16).num_stages == 2
     assert dq_tiling(6, 128, 128, 64, torch.bfloat16).num_stages == 2
+    for group in (9, 16):
+        assert dq_tiling(group, 128, 128, 64, torch.bfloat16) == Tiling(16, num_warps=1, num_stages=3)
+    assert dq_tiling(16, 128, 128, 64, torch.float32).num_stages == 1
 
 
 def test_dq_reads_two_head_dim_tiles_only_with_one_copy_of_its_rows() -> None:
