@@ -156,8 +156,10 @@ def layout_name(group: int, dk: int, dv: int) -> str:
 def prefill_cases() -> list[Case]:
     """The range-kernel path's launches with the tiles optimized/kernels/common.py picks (bf16), at the paper layout
     (16 heads per KV group, d_k = d_v = 128, and the paper's own d_k = 192 / d_v = 128) and prod-125m's (6 per
-    group, d = 64): the group-scores kernel, the range forward, dq (consistent D) and dk/dv."""
-    from optimized.kernels.common import RANGE_MEASURED_STACK, head_dim_tiles, packed_heads, padded, range_tiling
+    group, d = 64): the group-scores kernel, the range forward (also on the tiles it takes for short and long ranges
+    where they differ), dq (consistent D) and dk/dv."""
+    from optimized.kernels.common import (LONG_RANGE, RANGE_MEASURED_STACK, SHORT_RANGE, head_dim_tiles, packed_heads,
+                                          padded, range_tiling)
     from optimized.kernels.range_attention import _range_attention_fwd_kernel
     from optimized.kernels.range_attention_bwd import _range_attention_dkdv_kernel, _range_attention_dq_kernel
     from optimized.kernels.selection import _group_scores_kernel
@@ -172,8 +174,8 @@ def prefill_cases() -> list[Case]:
         attn = dict(GROUP=group, DV=dv, BLOCK_DV=bdv, **dims)
         layout = layout_name(group, dk, dv)
 
-        def tiles(kind: str):
-            t = range_tiling(bdk, bdk if kind == "scores" else bdv, torch.bfloat16, kind)
+        def tiles(kind: str, max_width: int | None = None):
+            t = range_tiling(bdk, bdk if kind == "scores" else bdv, torch.bfloat16, kind, max_width)
             return t, dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n)
 
         t, _ = tiles("scores")
@@ -183,14 +185,18 @@ def prefill_cases() -> list[Case]:
                           pointers(_group_scores_kernel),
                           dict(GROUP=group, GROUP_PAD=group_pad, ROWS=rows, BLOCK_M=rows * group_pad,
                                BLOCK_N=t.block_n, LOGITS=False, **dims), t.num_warps, t.num_stages))
-        for kind, kernel, flags in (("forward", _range_attention_fwd_kernel, dict(WITH_OUTPUT=True)),
-                                    ("dq", _range_attention_dq_kernel, dict(CONSISTENT_D=True)),
-                                    ("dk/dv", _range_attention_dkdv_kernel, dict(COMPENSATED=False))):
+        launches = [("forward", None, _range_attention_fwd_kernel, dict(WITH_OUTPUT=True))]
+        launches += [("forward", width, _range_attention_fwd_kernel, dict(WITH_OUTPUT=True))
+                     for width in (SHORT_RANGE, LONG_RANGE) if tiles("forward", width)[0] != tiles("forward")[0]]
+        launches += [("dq", None, _range_attention_dq_kernel, dict(CONSISTENT_D=True)),
+                     ("dk/dv", None, _range_attention_dkdv_kernel, dict(COMPENSATED=False))]
+        for kind, width, kernel, flags in launches:
             table_kind = kind.replace("/", "")
-            t, shape = tiles(table_kind)
+            t, shape = tiles(table_kind, width)
             heads = packed_heads(t, group)  # as the launches take it
-            cases.append(Case(f"prefill {layout} range {kind} {t.block_m}x{t.block_n}, {heads} heads", kernel,
-                              pointers(kernel), dict(HEADS=heads, **flags, **shape, **attn), t.num_warps,
+            ranges = "" if width is None else f" ({'short' if width == SHORT_RANGE else 'long'} ranges)"
+            cases.append(Case(f"prefill {layout} range {kind}{ranges} {t.block_m}x{t.block_n}, {heads} heads",
+                              kernel, pointers(kernel), dict(HEADS=heads, **flags, **shape, **attn), t.num_warps,
                               t.num_stages, measured_stack=RANGE_MEASURED_STACK.get((table_kind, bdk + bdv), 0)))
     return cases
 

@@ -25,7 +25,7 @@ def test_kernels_compile_for_sm90_without_spills_and_with_pipelined_loads():
     rows = [line for line in run.stdout.splitlines() if line.startswith(("gate", "score", "select ("))]
     assert len(rows) == 7 and all(line.endswith("    0 B stack") for line in rows), run.stdout
     prefill = [line for line in run.stdout.splitlines() if line.startswith("prefill")]
-    assert len(prefill) == 12, run.stdout
+    assert len(prefill) == 14, run.stdout  # the forward at d = 128 also on its short- and long-range tiles
     spilling = [line for line in prefill if not line.endswith("    0 B stack")]
     # the launches measured fastest with a spill (optimized/kernels/common.py's range table)
     assert all(("G=16 d=128 range dk/dv" in line and line.endswith("    8 B stack"))

@@ -402,6 +402,15 @@ _RANGE_TABLE = {
     "dkdv": ((128, (32, 64, 4, 3)), (256, (32, 64, 4, 3, 16)), (384, (16, 64, 4, 3, 16)), (512, (32, 16, 8, 2))),
     "scores": ((128, (64, 64, 4, 2)), (256, (128, 128, 8, 2)), (384, (64, 32, 8, 2)), (512, (128, 64, 8, 2))),
 }
+# The forward at d = 128 (the table's 256 entry) by the longest range a launch's rows read (range_tiling's
+# max_width): ranges of at most SHORT_RANGE keys (the paper's window, w = 512; the compressed branch up to 8k tokens)
+# on 64 x 32 tiles (window forward at 8k / 16k / 64k 0.471 / 0.987 / 3.839 -> 0.451 / 0.919 / 3.812 ms), ranges of
+# at least LONG_RANGE keys (the compressed branch from 32k tokens) on 128 x 64 tiles on 8 warps (compressed forward
+# at 64k 12.68 -> 11.97 ms; it loses at 16k and 8k, 0.940 -> 0.981 and 0.295 -> 0.343); reports/perf/range_entries/.
+# In the whole paper layer's forward: 8k 3.440 -> 3.389 ms with the short-range tile, 64k 46.08 -> 45.64 with the
+# long-range one (perf/NOTES.md). Other head dims keep one forward tile for every width.
+SHORT_RANGE, LONG_RANGE = 512, 2048
+_RANGE_FORWARD_BY_WIDTH = {256: ((64, 32, 4, 3, 16), (128, 64, 8, 3, 16))}  # (short, long)
 # Bytes of stack per thread a _RANGE_TABLE entry (kind, largest BLOCK_DK + BLOCK_DV) was measured fastest with, where
 # it spills; perf.kernel_survey --require-no-spill holds the d = 64, d = 128 and d_k = 192 / d_v = 128 entries to
 # this (0 where not listed). The d_k = 192 dq on 128 x 32 tiles spills 48 bytes under Triton 3.7 and its dk/dv 8;
@@ -409,10 +418,13 @@ _RANGE_TABLE = {
 RANGE_MEASURED_STACK = {("dkdv", 256): 8, ("dq", 384): 48, ("dkdv", 384): 8}
 
 
-def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) -> RangeTiling:
-    """Heuristic launch of one range-attention kernel (_RANGE_TABLE for half precision); fp32 (exact fp32 dots on
-    CUDA cores): 64 x 32 tiles, one stage; in Triton's interpreter: 16 x 16 (tests keep T small, and several tiles
-    must still be exercised)."""
+def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str,
+                 max_width: int | None = None) -> RangeTiling:
+    """Heuristic launch of one range-attention kernel (_RANGE_TABLE for half precision; the forward of ranges of at
+    most SHORT_RANGE or at least LONG_RANGE keys, max_width, by _RANGE_FORWARD_BY_WIDTH where it has the head
+    dims); fp32 (exact fp32 dots on CUDA cores): 64 x 32 tiles, one stage; in Triton's interpreter: 16 x 16 (tests
+    keep T small, and several tiles must still be exercised). max_width: the most keys any row of the launch reads
+    (None: not known)."""
     if kind not in RANGE_KINDS:
         raise ValueError(f"range_tiling kind must be one of {RANGE_KINDS}, got {kind!r}")
     if interpreting():
@@ -422,6 +434,12 @@ def range_tiling(block_dk: int, block_dv: int, dtype: torch.dtype, kind: str) ->
         return RangeTiling(block_m=64, block_n=32 if width <= 128 else 16, num_warps=4 if width <= 64 else 8,
                            num_stages=1)
     total = block_dk + block_dv
+    if kind == "forward" and max_width is not None and total in _RANGE_FORWARD_BY_WIDTH:
+        short, long = _RANGE_FORWARD_BY_WIDTH[total]
+        if max_width <= SHORT_RANGE:
+            return RangeTiling(*short)
+        if max_width >= LONG_RANGE:
+            return RangeTiling(*long)
     return RangeTiling(*next(tile for limit, tile in _RANGE_TABLE[kind] if total <= limit))
 
 

@@ -121,14 +121,16 @@ def _range_attention_fwd_kernel(
 
 
 def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, hi: Tensor, scale: float, *,
-                            tiling: RangeTiling | None = None,
-                            out: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
+                            tiling: RangeTiling | None = None, out: Tensor | None = None,
+                            max_width: int | None = None) -> tuple[Tensor | None, Tensor]:
     """Launch the forward on validated inputs (range_attention.check_range_inputs): q [B, TQ, Hq, dk],
     k [B, TK, Hkv, dk], v [B, TK, Hkv, dv] or None (lse only), lo/hi int32 [TQ] contiguous.
     Returns (o [B, TQ, Hq, dv] in q's dtype or None, lse2 [B, TQ, Hq] fp32 base-2 log-sum-exp).
     tiling: launched as given (the probes time it); default the launch table's, shrunk if the GPU lacks the
     resources (common.launch_tiling).
-    out: a [B, TQ, Hq, dv] tensor of q's dtype (last dim contiguous, e.g. rows of a larger output) to write o into."""
+    out: a [B, TQ, Hq, dv] tensor of q's dtype (last dim contiguous, e.g. rows of a larger output) to write o into.
+    max_width: the most keys a row reads, where the caller knows it (the launch table's tile for such ranges:
+    common.range_tiling; the result does not depend on it)."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv = k.shape[1], k.shape[2]
     with_output = v is not None
@@ -157,8 +159,8 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
             DOT_FP32=dot_fp32, INPUT_PRECISION=precision, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    launch_tiling(launch, tiling, range_tiling(padded(dk), padded(dv), q.dtype, "forward" if with_output else "lse"),
-                  smaller_range_tilings)
+    launch_tiling(launch, tiling, range_tiling(padded(dk), padded(dv), q.dtype, "forward" if with_output else "lse",
+                                               max_width), smaller_range_tilings)
     return o, lse2
 
 
@@ -191,8 +193,8 @@ class RangeAttentionFunction(torch.autograd.Function):
     with the gradient (supply_delta0), else forms it."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float):
-        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float, max_width: int | None):
+        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale, max_width=max_width)
         ctx.save_for_backward(q, k, v, lo, hi, o, lse2)
         ctx.scale = scale
         ctx.mark_non_differentiable(lse2)
@@ -205,7 +207,7 @@ class RangeAttentionFunction(torch.autograd.Function):
         if version != do._version:  # changed in place since (another consumer's gradient summed into it)
             delta0 = None
         dq, dk, dv = range_attention_backward(q, k, v, lo, hi, o, lse2, do.contiguous(), ctx.scale, delta0=delta0)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def triton_range_attention(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
@@ -225,16 +227,18 @@ def triton_range_attention(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tens
 
 
 def range_attention_lse2(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
-                         scale: float | None = None, *, checked: bool = False) -> tuple[Tensor, Tensor]:
+                         scale: float | None = None, *, checked: bool = False,
+                         max_width: int | None = None) -> tuple[Tensor, Tensor]:
     """triton_range_attention with the normaliser as the kernel keeps it: (o, lse2), lse2 = lse * log2(e) (the
     base-2 log-sum-exp), which the group-scores kernel takes as it is (no rounding round trip).
-    checked: lo, hi are what check_range_inputs returned for these tensors (not validated again)."""
+    checked: lo, hi are what check_range_inputs returned for these tensors (not validated again).
+    max_width: the most keys a row reads, if known (range_attention_forward's)."""
     if not checked:
         lo, hi = check_range_inputs(q, k, v, lo, hi)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return RangeAttentionFunction.apply(q, k, v, lo, hi, float(scale))
+    return RangeAttentionFunction.apply(q, k, v, lo, hi, float(scale), max_width)
 
 
 def range_logsumexp2(q: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scale: float | None = None, *,
@@ -373,12 +377,14 @@ def compressed_ranges(positions: Tensor, n_compressed: int, cfg: NSAConfig,
 class SequenceRanges(NamedTuple):
     """The key ranges of the queries of one sequence: lo, hi int32 [TQ] and the keys each row reads on the
     device (reads: int32 for the compressed branch, int64 for the window, as range_reads counts them from the
-    ranges the kernel reads), and those counts on the host (widths, int64: the selection's chunk plan)."""
+    ranges the kernel reads), those counts on the host (widths, int64: the selection's chunk plan) and their
+    largest (max_width: the range forward's tile, common.range_tiling)."""
 
     lo: Tensor
     hi: Tensor
     reads: Tensor
     widths: Tensor
+    max_width: int
 
 
 def sequence_ranges(branch: str, first_position: int, n_rows: int, n_keys: int, cfg: NSAConfig,
@@ -403,16 +409,17 @@ def _sequence_ranges(branch: str, first_position: int, n_rows: int, n_keys: int,
     widths = torch.clamp(hi - lo + 1, min=0)
     lo32, hi32 = check_range_rules(lo, hi, n_keys)
     reads = widths.to(torch.int32) if branch == "cmp" else widths
-    return SequenceRanges(lo32.to(device), hi32.to(device), reads.to(device), widths)
+    max_width = int(widths.max()) if widths.numel() else 0
+    return SequenceRanges(lo32.to(device), hi32.to(device), reads.to(device), widths, max_width)
 
 
 def _sequence_branch_ranges(branch: str, q: Tensor, k: Tensor, v: Tensor | None, cfg: NSAConfig,
-                            first_position: int) -> tuple[Tensor, Tensor, Tensor]:
-    """lo, hi (the tensors checked against q, k, v) and reads [B, TQ, Hkv] of one sequence's rows, from
-    sequence_ranges."""
+                            first_position: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """lo, hi (the tensors checked against q, k, v), reads [B, TQ, Hkv] of one sequence's rows and the longest
+    row's key count, from sequence_ranges."""
     ranges = sequence_ranges(branch, first_position, q.shape[1], k.shape[1], cfg, q.device)
     lo, hi = check_range_inputs(q, k, v, ranges.lo, ranges.hi, rules=False)
-    return lo, hi, ranges.reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads)
+    return lo, hi, ranges.reads[None, :, None].expand(q.shape[0], q.shape[1], cfg.n_kv_heads), ranges.max_width
 
 
 def range_reads(lo: Tensor, hi: Tensor, batch: int, n_kv_heads: int) -> Tensor:
@@ -430,11 +437,13 @@ def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, cfg: NSACo
     each query's range covers). k_cmp/v_cmp are cast to q's dtype (differentiably), as compress() returns them.
     v_cmp=None: only the normaliser (no P.V product; o_cmp is None), for a call whose output leaves this branch
     out but still selects blocks. first_position: positions is arange(first_position, first_position + TQ) of
-    one sequence (sequence_ranges serves the ranges)."""
+    one sequence (sequence_ranges serves the ranges, and the longest range the forward's tile); a packed batch's
+    ranges stay on the device, and its forward takes the launch table's tile for any width."""
     k_low = k_cmp.to(q.dtype)
     v_low = None if v_cmp is None else v_cmp.to(q.dtype)
+    max_width = None
     if first_position is not None and docs is None:
-        lo, hi, reads = _sequence_branch_ranges("cmp", q, k_low, v_low, cfg, first_position)
+        lo, hi, reads, max_width = _sequence_branch_ranges("cmp", q, k_low, v_low, cfg, first_position)
     else:
         lo, hi = check_range_inputs(q, k_low, v_low, *compressed_ranges(positions, k_cmp.shape[1], cfg, docs),
                                     sync=False)
@@ -442,7 +451,7 @@ def compressed_branch(q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, cfg: NSACo
     if v_low is None:
         o, lse2 = None, range_logsumexp2(q.detach(), k_low.detach(), lo, hi, checked=True)
     else:
-        o, lse2 = range_attention_lse2(q, k_low, v_low, lo, hi, checked=True)
+        o, lse2 = range_attention_lse2(q, k_low, v_low, lo, hi, checked=True, max_width=max_width)
     return o, CompressedSoftmax(lo, hi, lse2), reads
 
 
@@ -450,12 +459,14 @@ def window_branch(q: Tensor, k: Tensor, v: Tensor, cfg: NSAConfig, positions: Te
                   docs: Documents | None = None, first_position: int | None = None) -> tuple[Tensor, Tensor]:
     """The window branch (Section 3.3.3) for queries q [B, TQ, Hq, dk] at positions [TQ]: (o_win [B, TQ, Hq, dv]
     in q's dtype, reads [B, TQ, Hkv] = the window keys each query's range covers). first_position: as in
-    compressed_branch."""
+    compressed_branch. The forward's tile is the one for ranges of the longest row's keys (a packed batch's: w,
+    what a window holds)."""
     if first_position is not None and docs is None:
-        lo, hi, reads = _sequence_branch_ranges("win", q, k, v, cfg, first_position)
-        o, _ = range_attention_lse2(q, k, v, lo, hi, checked=True)
+        lo, hi, reads, max_width = _sequence_branch_ranges("win", q, k, v, cfg, first_position)
+        o, _ = range_attention_lse2(q, k, v, lo, hi, checked=True, max_width=max_width)
         return o, reads
     lo, hi = window_ranges(positions, cfg, docs)
-    o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, sync=False), checked=True)
+    o, _ = range_attention_lse2(q, k, v, *check_range_inputs(q, k, v, lo, hi, sync=False), checked=True,
+                                max_width=cfg.window)
     return o, range_reads(lo, hi, q.shape[0], cfg.n_kv_heads)
 

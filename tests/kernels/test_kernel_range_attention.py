@@ -457,6 +457,57 @@ def test_heads_packed_in_a_step_match_the_oracle(layout: str, heads: int, split:
     check_backward_runs(runs, q, k, v, lo, hi, do, scale=0.25)
 
 
+def test_range_forward_tile_follows_the_longest_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled-GPU forward at d = 128 in half precision: ranges of at most 512 keys on 64 x 32 tiles, of at
+    least 2048 on 128 x 64 tiles on 8 warps, anything between or unknown on the table's 64 x 64 entry; other head
+    dims, fp32 and the other kernels do not look at the width."""
+    from optimized.kernels.common import LONG_RANGE, SHORT_RANGE, range_tiling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    entry = RangeTiling(64, 64, 4, 3, 16)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert range_tiling(128, 128, dtype, "forward") == entry
+        assert range_tiling(128, 128, dtype, "forward", SHORT_RANGE) == RangeTiling(64, 32, 4, 3, 16)
+        assert range_tiling(128, 128, dtype, "forward", 1) == RangeTiling(64, 32, 4, 3, 16)
+        assert range_tiling(128, 128, dtype, "forward", SHORT_RANGE + 1) == entry
+        assert range_tiling(128, 128, dtype, "forward", LONG_RANGE - 1) == entry
+        assert range_tiling(128, 128, dtype, "forward", LONG_RANGE) == RangeTiling(128, 64, 8, 3, 16)
+        for width in (1, LONG_RANGE):
+            assert range_tiling(64, 64, dtype, "forward", width) == range_tiling(64, 64, dtype, "forward")
+            assert range_tiling(256, 128, dtype, "forward", width) == range_tiling(256, 128, dtype, "forward")
+            assert range_tiling(128, 128, dtype, "lse", width) == range_tiling(128, 128, dtype, "lse")
+    assert range_tiling(128, 128, torch.float32, "forward", 1) == range_tiling(128, 128, torch.float32, "forward")
+
+
+def test_branches_hand_the_forward_their_longest_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nsa_forward on the kernels tells each branch's forward launch the most keys a row reads: for one sequence
+    the compressed branch's visible tokens at the last row (Eq. 7: floor((T - l) / d) + 1) and the window's
+    min(T, w); a packed batch's compressed ranges stay on the device (no width: the table's entry) and its window
+    holds at most w keys."""
+    from optimized.kernels import range_attention
+
+    seen = []
+    forward = range_attention.range_attention_forward
+
+    def recording(*args, max_width=None, **kwargs):
+        seen.append(max_width)
+        return forward(*args, max_width=max_width, **kwargs)
+
+    monkeypatch.setattr(range_attention, "range_attention_forward", recording)
+    cfg = CFG.replace(phi="avg")
+    T = 40
+    x = make_inputs(cfg, T, seed=3, dtype=torch.float32, device=DEVICE)
+    O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi, range_backend="triton")
+    assert seen == [(T - cfg.cmp_block) // cfg.cmp_stride + 1, min(T, cfg.window)]
+    seen.clear()
+    O.nsa_forward(x.q[:, :7], type(x.kv)(*(type(b)(b.k[:, :7], b.v[:, :7]) for b in (x.kv.cmp, x.kv.slc, x.kv.win))),
+                  x.gates[:, :7], cfg, x.phi, range_backend="triton")
+    assert seen == [0, 7]  # no complete compressed block yet: every range empty
+    seen.clear()
+    O.nsa_forward(x.q, x.kv, x.gates, cfg, x.phi, cu_seqlens=cu_seqlens_of([25, 15], DEVICE), range_backend="triton")
+    assert seen == [None, cfg.window]
+
+
 def test_range_tiling_heads_must_fit_the_step() -> None:
     with pytest.raises(ValueError, match="RangeTiling.heads must be a power of two"):
         RangeTiling(block_m=16, block_n=16, num_warps=4, num_stages=1, heads=3)

@@ -144,7 +144,8 @@ class OpCount(TorchDispatchMode):
 @pytest.mark.parametrize("branch", ["cmp", "win"])
 def test_sequence_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch):
     """The cached ranges of one sequence equal compressed_ranges / window_ranges (as int32, with their read
-    counts); a second layer asking for them costs no op; a replaced seam gets its own ranges."""
+    counts and the longest range); a second layer asking for them costs no op; a replaced seam gets its own
+    ranges."""
     first, n_rows = 3, 45
     n_keys = masks.compressed_block_count(first + n_rows, CFG) if branch == "cmp" else first + n_rows
 
@@ -155,11 +156,12 @@ def test_sequence_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch
     def cached():
         return sequence_ranges(branch, first, n_rows, n_keys, CFG, torch.device("cpu"))
 
-    lo, hi, reads, _ = cached()
+    lo, hi, reads, _, max_width = cached()
     want_lo, want_hi = fresh()
     assert lo.dtype == hi.dtype == torch.int32
     assert torch.equal(lo.long(), want_lo) and torch.equal(hi.long(), want_hi)
     assert torch.equal(reads.long(), torch.clamp(want_hi - want_lo + 1, min=0))
+    assert max_width == int((want_hi - want_lo + 1).max()) and max_width > 0
     with OpCount() as ops:
         again = cached()
     assert ops.n == 0 and again[0] is lo
@@ -167,7 +169,7 @@ def test_sequence_ranges_equal_the_ranges_and_are_built_once(branch, monkeypatch
     original = getattr(masks, seam)
     monkeypatch.setattr(masks, seam, lambda a, b, *rest: original(a, b + 1, *rest) if branch == "cmp"
                         else original(a - 1, b, *rest))
-    planted_lo, planted_hi, _, _ = cached()
+    planted_lo, planted_hi, *_ = cached()
     want_lo, want_hi = fresh()
     assert torch.equal(planted_lo.long(), want_lo) and torch.equal(planted_hi.long(), want_hi)
     assert not (torch.equal(planted_lo, lo) and torch.equal(planted_hi, hi))
