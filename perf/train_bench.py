@@ -296,7 +296,21 @@ class Sweep:
 
 # Files ------------------------------------------------------------------------------------------------------------
 
-def write_rows(rows: list[TrainRow], out_dir: Path, meta: dict[str, Any]) -> None:
+def _carry_earlier_meta(meta: dict[str, Any], earlier: dict[str, Any]) -> None:
+    """A --merge sweep's meta keeps what the file's earlier sweeps said of the rows it does not measure again: their
+    geometries' descriptions, and the environments they ran in (meta["earlier"]: each earlier sweep's env once)."""
+    meta["geometries"] = {**(earlier.get("geometries") or {}), **meta["geometries"]}
+    envs = [*(e["env"] for e in earlier.get("earlier", [])), earlier.get("env", {})]
+    meta["earlier"] = [{"env": env} for i, env in enumerate(envs) if env and env not in envs[:i]]
+
+
+def write_rows(rows: list[TrainRow], out_dir: Path, meta: dict[str, Any],
+               measured: list[TrainRow] | None = None) -> None:
+    """train.csv and train.json; measured: the rows this sweep ran (the others, merged from the file, are named in
+    meta["kept_rows"] for the report)."""
+    if measured is not None:
+        ran = {r.key for r in measured}
+        meta["kept_rows"] = [f"{r.geometry} {r.model} {r.seq_len}" for r in rows if r.key not in ran]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / TRAIN_CSV, rows, TrainRow)
     (out_dir / TRAIN_JSON).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1,
@@ -328,9 +342,11 @@ def run_sweep(args, device: torch.device) -> tuple[list[TrainRow], Path]:
                        "steps after the warm-up" if device.type == "cuda" else
                        "perf_counter at the start of every trainer step, median of the timed steps after the warm-up")}
     old = read_rows(out_dir / TRAIN_CSV) if args.merge and (out_dir / TRAIN_CSV).exists() else []
+    if old:
+        _carry_earlier_meta(meta, read_meta(out_dir))
 
     def save(rows: list[TrainRow]) -> None:
-        write_rows(merge_rows(old, rows), out_dir, meta)
+        write_rows(merge_rows(old, rows), out_dir, meta, measured=rows)
 
     if args.steps < 10:
         print(f"perf train: note: {args.steps} timed steps per case, fewer than the 10 that reported medians need")
@@ -341,8 +357,8 @@ def run_sweep(args, device: torch.device) -> tuple[list[TrainRow], Path]:
     if device.type == "cuda":
         env["nvidia_smi_end"] = nvidia_smi(device.index or 0)
     meta["elapsed_s"] = round(time.perf_counter() - sweep.started, 1)
-    rows = merge_rows(old, rows)
-    write_rows(rows, out_dir, meta)
+    measured, rows = rows, merge_rows(old, rows)
+    write_rows(rows, out_dir, meta, measured=measured)
     make_report(out_dir)
     skipped = sum(r.status == SKIPPED for r in rows)
     print(f"perf train: wrote {out_dir}/ ({len(rows)} rows, {skipped} skipped) in {meta['elapsed_s']:.0f} s")

@@ -97,6 +97,12 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
            f"median step; peak memory = torch.cuda.max_memory_allocated over the timed steps (rows with CUDA graphs: "
            f"torch.cuda.max_memory_reserved, which counts the graphs' private memory pools). Activation "
            f"checkpointing and CUDA graphs (train.cuda_graphs): off unless a row says so.", ""]
+    kept, earlier = meta.get("kept_rows") or [], meta.get("earlier") or []
+    if kept:
+        where = "; ".join(f"{e['env'].get('device', '?')}, torch {e['env'].get('torch', '?')}, triton "
+                          f"{e['env'].get('triton', '?')}" for e in earlier) or "not recorded"
+        out += [f"Rows this sweep did not measure again come from an earlier sweep into this file ({where}): "
+                f"{', '.join(kept)}.", ""]
     idx = _index(rows)
     for geom in dict.fromkeys(r.geometry for r in rows):
         out += [f"## {geom}", "", (meta.get("geometries") or {}).get(geom, ""), ""]

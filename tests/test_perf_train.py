@@ -5,6 +5,7 @@ CSV, and the profile attributes backward time to the forward region that created
 from __future__ import annotations
 
 import csv
+import json
 import math
 import time
 
@@ -13,7 +14,7 @@ import torch
 
 from perf.cli import main
 from perf.env import host_cpu
-from perf.train_bench import OverBudget, StepClock, read_rows
+from perf.train_bench import OverBudget, StepClock, _carry_earlier_meta, read_rows
 from perf.train_model import DenseAttention, batch_plan, geometry, trainer_for, use_dense_attention
 from reference.module import apply_rope
 from sentinels.model import build_model
@@ -132,6 +133,29 @@ def test_train_sweep_cpu_tiny_end_to_end(tmp_path, one_thread):
     (out / "train.md").write_text("tampered")
     assert main(["train-report", "--out", str(out)]) == 0
     assert (out / "train.md").read_text() == text
+
+
+def test_merged_sweep_names_the_rows_and_the_machine_it_did_not_measure(tmp_path, one_thread):
+    """A --merge sweep that measures part of a file's rows keeps the rest, and the report says which rows came from
+    the earlier sweep and where that ran; an earlier geometry's description stays."""
+    out = tmp_path / "train"
+    common = ["--device", "cpu", "--geometries", "tiny", "--tokens-per-step", "64", "--micro-batch-tokens", "32",
+              "--warmup", "1", "--steps", "2", "--out", str(out)]
+    assert main(["train", "--seq-lens", "16,32", *common]) == 0
+    first = json.loads((out / "train.json").read_text())["meta"]
+    assert first["kept_rows"] == [] and "earlier sweep" not in (out / "train.md").read_text()
+    assert main(["train", "--seq-lens", "16", "--merge", *common]) == 0
+    meta = json.loads((out / "train.json").read_text())["meta"]
+    assert meta["kept_rows"] == ["tiny nsa 32", "tiny dense 32"]
+    assert meta["earlier"] == [{"env": first["env"]}]
+    text = (out / "train.md").read_text()
+    assert (f"come from an earlier sweep into this file ({first['env']['device']}, torch {first['env']['torch']}"
+            in text and text.count("tiny nsa 32") == 1)
+    carried = {"env": {"device": "now"}, "geometries": {"tiny": "t"}}
+    _carry_earlier_meta(carried, {"env": {"device": "then"}, "geometries": {"paper": "p", "tiny": "old t"},
+                                  "earlier": [{"env": {"device": "before"}}, {"env": {"device": "then"}}]})
+    assert carried["geometries"] == {"paper": "p", "tiny": "t"}
+    assert carried["earlier"] == [{"env": {"device": "before"}}, {"env": {"device": "then"}}]
 
 
 def test_train_profile_splits_the_step_by_region(tmp_path, one_thread):
