@@ -1,6 +1,7 @@
-"""Command line: `python -m perf {run,report,compare,floors,train,train-report,train-profile}` (`-h` after a
-command lists its options). Outputs go where `--out` says; the defaults are under reports/ (reports/perf for `run`,
-reports/perf/train for `train`, reports/perf/train_profile for `train-profile`).
+"""Command line: `python -m perf {run,report,compare,floors,train,train-report,train-profile,train-memory}` (`-h`
+after a command lists its options). Outputs go where `--out` says; the defaults are under reports/ (reports/perf for
+`run`, reports/perf/train for `train`, reports/perf/train_profile for `train-profile`, reports/perf/train_memory for
+`train-memory`).
 
 Exit status: 0 ok; 1 a regression against the baseline; 2 bad usage, no GPU for --device cuda, or a baseline
 that cannot be compared; 3 some case raised an error other than out-of-memory (the sweep still finished).
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "floors": cmd_floors,
-                    "train": cmd_train, "train-report": cmd_train_report, "train-profile": cmd_train_profile}
+                    "train": cmd_train, "train-report": cmd_train_report, "train-profile": cmd_train_profile,
+                    "train-memory": cmd_train_memory}
         return commands[args.command](args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -276,6 +278,7 @@ def cmd_floors(args) -> int:
 
 DEFAULT_TRAIN_OUT = Path("reports/perf/train")
 DEFAULT_TRAIN_PROFILE_OUT = Path("reports/perf/train_profile")
+DEFAULT_TRAIN_MEMORY_OUT = Path("reports/perf/train_memory")
 
 
 def _positive_int(text: str) -> int:
@@ -335,6 +338,16 @@ def add_train_parsers(sub) -> None:
     prof.add_argument("--out", type=Path, default=DEFAULT_TRAIN_PROFILE_OUT,
                       help="writes train_profile.json and train_profile.md here (default reports/perf/train_profile)")
 
+    mem = sub.add_parser("train-memory", help="what one training step keeps for backward, by module and tensor")
+    mem.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    mem.add_argument("--geometries", type=_names(tuple(GEOMETRIES), "--geometries"), default=("prod-125m",),
+                     help=f"comma list of {tuple(GEOMETRIES)} (default prod-125m)")
+    mem.add_argument("--models", type=_names(MODELS, "--models"), default=MODELS,
+                     help="comma list of nsa, dense (default both: nsa,dense)")
+    mem.add_argument("--seq-len", type=_positive_int, default=16384, help="tokens of the one sequence (default 16k)")
+    mem.add_argument("--out", type=Path, default=DEFAULT_TRAIN_MEMORY_OUT,
+                     help="writes train_memory.json and train_memory.md here (default reports/perf/train_memory)")
+
 
 def cmd_train(args) -> int:
     from .train_bench import ERROR, run_sweep
@@ -348,6 +361,13 @@ def cmd_train_report(args) -> int:
 
     paths = make_report(args.out)
     print(f"perf train-report: wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def cmd_train_memory(args) -> int:
+    from .train_memory import run_train_memory
+
+    run_train_memory(args, _device(args.device))
     return 0
 
 

@@ -15,6 +15,7 @@ import torch
 from perf.cli import main
 from perf.env import host_cpu
 from perf.train_bench import OverBudget, StepClock, _carry_earlier_meta, read_rows
+from perf.train_memory import saved_storages
 from perf.train_model import DenseAttention, batch_plan, geometry, trainer_for, use_dense_attention
 from reference.module import apply_rope
 from sentinels.model import build_model
@@ -156,6 +157,39 @@ def test_merged_sweep_names_the_rows_and_the_machine_it_did_not_measure(tmp_path
                                   "earlier": [{"env": {"device": "before"}}, {"env": {"device": "then"}}]})
     assert carried["geometries"] == {"paper": "p", "tiny": "t"}
     assert carried["earlier"] == [{"env": {"device": "before"}}, {"env": {"device": "then"}}]
+
+
+def test_saved_storages_counts_each_storage_once_without_parameters():
+    """The memory probe's attribution: the linear layer's input (its weight, a parameter, left out), the ReLU's
+    output, and that output saved twice more by the product (one storage, counted once, where it was made)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def forward():
+        y = model(x)
+        return (y * y).sum()
+
+    rows = saved_storages(model, forward)
+    assert [(r["module"], r["made_by"], r["shape"], r["bytes"]) for r in rows] == [
+        ("0", "input", [4, 8], 128), ("1", "ReluBackward0", [4, 8], 128)]
+    assert x.grad is not None  # the probe ran backward too
+
+
+def test_train_memory_cpu_tiny(tmp_path, one_thread):
+    out = tmp_path / "mem"
+    assert main(["train-memory", "--device", "cpu", "--geometries", "tiny", "--seq-len", "64", "--out", str(out)]) == 0
+    doc = json.loads((out / "train_memory.json").read_text())
+    nsa, dense = doc["cases"][0]["models"]
+    assert (nsa["model"], dense["model"]) == ("nsa", "dense")
+    for m in (nsa, dense):
+        assert m["kept_after_forward_bytes"] is None  # memory counters exist on CUDA only
+        layer = m["first_layer_attention"]
+        assert layer and all(s["module"].startswith("blocks.0.attn") and not s["module"].startswith(
+            "blocks.0.attn_norm") for s in layer)
+        assert m["first_layer_attention_saved_bytes"] == sum(s["bytes"] for s in layer)
+        assert sum(m["saved_by_module"].values()) == m["saved_bytes"]
+    assert nsa["first_layer_attention_saved_bytes"] > dense["first_layer_attention_saved_bytes"]
+    assert "| nsa | 132,696 |" in (out / "train_memory.md").read_text()
 
 
 def test_train_profile_splits_the_step_by_region(tmp_path, one_thread):
