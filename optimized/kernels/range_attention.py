@@ -129,8 +129,8 @@ def range_attention_forward(q: Tensor, k: Tensor, v: Tensor | None, lo: Tensor, 
     tiling: launched as given (the probes time it); default the launch table's, shrunk if the GPU lacks the
     resources (common.launch_tiling).
     out: a [B, TQ, Hq, dv] tensor of q's dtype (last dim contiguous, e.g. rows of a larger output) to write o into.
-    max_width: the most keys a row reads, where the caller knows it (the launch table's tile for such ranges:
-    common.range_tiling; the result does not depend on it)."""
+    max_width: the most keys a row reads, where the caller knows it: the launch table's tile for such ranges
+    (common.range_tiling). Another tile may round differently (the online softmax steps over other key tiles)."""
     B, TQ, Hq, dk = q.shape
     TK, Hkv = k.shape[1], k.shape[2]
     with_output = v is not None
