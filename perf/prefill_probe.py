@@ -39,7 +39,7 @@ from optimized import masks
 from optimized.kernels import selection
 from optimized.kernels.common import RangeTiling, packed_heads, padded, range_tiling
 from optimized.kernels.range_attention import (CompressedSoftmax, check_range_inputs, compressed_ranges,
-                                               range_attention_forward, window_ranges)
+                                               range_attention_forward, sequence_ranges, window_ranges)
 from optimized.kernels.range_attention_bwd import dkdv_parts, range_attention_backward, rows_shared_in_l2
 from optimized.kernels.selection import group_scores
 from reference.config import NSAConfig
@@ -69,15 +69,17 @@ def _tiling(shape: tuple[int, ...]) -> RangeTiling:
     return RangeTiling(*shape)
 
 
-def _default_tiling(kind: str, dtype: torch.dtype) -> RangeTiling:
-    """The launch table's tiling of a range kernel (range_tiling's kind) at the probed layout."""
+def _default_tiling(kind: str, dtype: torch.dtype, max_width: int | None = None) -> RangeTiling:
+    """The launch table's tiling of a range kernel (range_tiling's kind) at the probed layout; max_width: the
+    longest range of the launch, which the forward's tile follows (a branch's: _inputs' "max_width")."""
     dv = CFG.head_dim_qk if kind == "scores" else CFG.head_dim_v  # the scores kernel reads no values
-    return range_tiling(padded(CFG.head_dim_qk), padded(dv), dtype, kind)
+    return range_tiling(padded(CFG.head_dim_qk), padded(dv), dtype, kind, max_width)
 
 
 def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
     """Random q and per-branch k/v of `batch` sequences, the compressed and window ranges, and the compressed
-    branch's lse2 (what nsa_forward hands the selection)."""
+    branch's lse2 (what nsa_forward hands the selection), and each branch's longest range (max_width, as the
+    branches hand it to their forward: sequence_ranges)."""
     cfg = CFG
     g = torch.Generator(device=device).manual_seed(T)
     n_cmp = masks.compressed_block_count(T, cfg)
@@ -93,8 +95,10 @@ def _inputs(T: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, b
     cmp_lo, cmp_hi = check_range_inputs(q, k_cmp, v_cmp, *compressed_ranges(positions, n_cmp, cfg))
     win_lo, win_hi = check_range_inputs(q, k_win, v_win, *window_ranges(positions, cfg))
     cmp_lse2 = range_attention_forward(q, k_cmp, None, cmp_lo, cmp_hi, 1.0 / math.sqrt(cfg.head_dim_qk))[1]
+    max_width = {branch: sequence_ranges(branch, 0, T, n_keys, cfg, device).max_width
+                 for branch, n_keys in (("cmp", n_cmp), ("win", T))}
     return {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp, "k_win": k_win, "v_win": v_win,
-            "cmp": (cmp_lo, cmp_hi), "win": (win_lo, win_hi), "cmp_lse2": cmp_lse2}
+            "cmp": (cmp_lo, cmp_hi), "win": (win_lo, win_hi), "cmp_lse2": cmp_lse2, "max_width": max_width}
 
 
 def _useful_flops(lo: torch.Tensor, hi: torch.Tensor, dims: int, sequences: int = 1) -> float:
@@ -172,8 +176,9 @@ def probe_range(x: dict, scale: float, rep_ms: int) -> list[dict]:
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
         lo, hi = x[branch]
         flops = _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v, q.shape[0])
-        default = _default_tiling("forward", q.dtype)
-        reference = range_attention_forward(q, k, v, lo, hi, scale)[0]  # the default tiling, or what fits
+        width = x["max_width"][branch]
+        default = _default_tiling("forward", q.dtype, width)
+        reference = range_attention_forward(q, k, v, lo, hi, scale, max_width=width)[0]  # the default, or what fits
         for shape in RANGE_TILINGS:
             t = _tiling(shape)
             row = {"probe": "range", "branch": branch, "tiling": list(astuple(t)), "default": t == default}
@@ -235,7 +240,7 @@ def probe_rows(x: dict, scale: float, rep_ms: int) -> list[dict]:
     for branch in ("cmp", "win"):
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
         lo, hi = x[branch]
-        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
+        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale, max_width=x["max_width"][branch])
         n_tiles, batch, T = triton.cdiv(k.shape[1], t.block_n), q.shape[0], q.shape[1]
         reference = None
         for chunked in (False, True):
@@ -270,7 +275,7 @@ def probe_backward(x: dict, scale: float, rep_ms: int, variants: tuple | list | 
     for branch in ("cmp", "win"):
         k, v = x[f"k_{branch}"], x[f"v_{branch}"]
         lo, hi = x[branch]
-        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale)
+        o, lse2 = range_attention_forward(q, k, v, lo, hi, scale, max_width=x["max_width"][branch])
         flops = ATTENTION_BWD_FACTOR * _useful_flops(lo, hi, CFG.head_dim_qk + CFG.head_dim_v, q.shape[0])
         reference = None
         for consistent, dq_shape, dkdv_shape in variants or BACKWARD_VARIANTS:

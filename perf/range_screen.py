@@ -86,6 +86,10 @@ class Launches:
         self.score_rows = score_rows
         self.forwards: dict[str, tuple] = {}
 
+    def max_width(self, branch: str | None) -> int | None:
+        """The branch's longest range, which its forward's tile follows (None: the scores kernel)."""
+        return None if branch is None else self.x["max_width"][branch]
+
     def call(self, kind: str, branch: str | None, shape: tuple[int, ...]) -> Callable[[], object]:
         x, scale = self.x, self.scale
         q, t = x["q"], prefill_probe._tiling(shape)
@@ -101,7 +105,7 @@ class Launches:
         if kind == "forward":
             return lambda: range_attention_forward(q, k, v, lo, hi, scale, tiling=t)
         if branch not in self.forwards:
-            self.forwards[branch] = range_attention_forward(q, k, v, lo, hi, scale)
+            self.forwards[branch] = range_attention_forward(q, k, v, lo, hi, scale, max_width=self.max_width(branch))
         o, lse2 = self.forwards[branch]
         dq = t if kind == "dq" else prefill_probe._default_tiling("dq", q.dtype)
         dkdv = t if kind == "dkdv" else prefill_probe._default_tiling("dkdv", q.dtype)
@@ -116,8 +120,9 @@ def cases(candidates: dict) -> list[tuple[str, str | None, tuple[int, ...]]]:
             + [("scores", None, shape) for shape in candidates["scores"]])
 
 
-def is_entry(kind: str, shape: tuple[int, ...]) -> bool:
-    return prefill_probe._tiling(shape) == prefill_probe._default_tiling(kind, torch.bfloat16)
+def is_entry(kind: str, shape: tuple[int, ...], max_width: int | None = None) -> bool:
+    """Whether shape is the launch table's tiling of the kernel (the forward's for ranges of max_width keys)."""
+    return prefill_probe._tiling(shape) == prefill_probe._default_tiling(kind, torch.bfloat16, max_width)
 
 
 def timed(launches: Launches, kind: str, branch: str | None, shape: tuple[int, ...], rep_ms: int) -> float | None:
@@ -157,7 +162,8 @@ def screen(make: Callable[[int], Launches], seq_len: int, confirm: list[int], ca
     """The screen at seq_len, then the rounds at seq_len and each confirming length (module docstring)."""
     launches = make(seq_len)
     rows = printed_rows({"seq_len": seq_len, "pass": "screen", "kind": kind, "branch": branch, "tiling": list(shape),
-                         "entry": is_entry(kind, shape), "ms": timed(launches, kind, branch, shape, rep_ms)}
+                         "entry": is_entry(kind, shape, launches.max_width(branch)),
+                         "ms": timed(launches, kind, branch, shape, rep_ms)}
                         for kind, branch, shape in cases(candidates))
     finals = finalists(rows)
     for length in [seq_len, *confirm]:
@@ -167,7 +173,7 @@ def screen(make: Callable[[int], Launches], seq_len: int, confirm: list[int], ca
                 torch.cuda.empty_cache()
             launches = make(length)
         rows += printed_rows({"seq_len": length, "pass": f"round {rnd}", "kind": kind, "branch": branch,
-                              "tiling": list(shape), "entry": is_entry(kind, shape),
+                              "tiling": list(shape), "entry": is_entry(kind, shape, launches.max_width(branch)),
                               "ms": timed(launches, kind, branch, shape, rep_ms)}
                              for rnd, (kind, branch, shape) in round_order(finals, n_rounds))
     return rows

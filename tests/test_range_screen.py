@@ -69,6 +69,24 @@ def test_a_whole_screen_runs_every_kernel_in_the_interpreter(monkeypatch: pytest
     assert {r["seq_len"] for r in rounds} == {40, 33} and len(ran) == len(rows)
 
 
+def test_the_forward_entry_is_the_tile_its_branch_launches(monkeypatch: pytest.MonkeyPatch):
+    """At d = 128 the forward's launch-table tile follows the branch's longest range (common.range_tiling), so the
+    screen marks as the entry of each branch the tile that branch runs: 64 x 32 for the window's 512 keys, 64 x 64
+    for the compressed branch's 1023 tokens at 16k; the inputs carry those widths as the branches hand them over."""
+    monkeypatch.setattr(prefill_probe, "CFG", TINY)
+    launches = range_screen.Launches(40, torch.device("cpu"), 1, score_rows=24)
+    assert (launches.max_width("win"), launches.max_width(None)) == (TINY.window, None)
+    lo, hi = launches.x["cmp"]
+    assert launches.max_width("cmp") == int((hi - lo + 1).max())
+    monkeypatch.setattr(prefill_probe, "CFG", prefill_probe.LAYOUTS["paper"])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled-GPU launch table, not the interpreter's 16 x 16
+    assert range_screen.is_entry("forward", (64, 32, 4, 3, 16), 512)
+    assert not range_screen.is_entry("forward", (64, 64, 4, 3, 16), 512)
+    assert range_screen.is_entry("forward", (64, 64, 4, 3, 16), 1023)
+    assert range_screen.is_entry("forward", (128, 64, 8, 3, 16), 4095)
+    assert range_screen.is_entry("dq", (128, 64, 8, 3, 16), 512)  # the other kernels do not look at the width
+
+
 def test_bad_options_are_refused_in_one_line(capsys):
     for argv, words in ((["--confirm-seq-lens", "8k"], "--confirm-seq-lens must be a comma list of integers"),
                         (["--rounds", "0"], "--rounds must be >= 1"),
