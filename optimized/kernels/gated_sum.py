@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from .common import row_pass_shape, row_view
-from .range_attention import supply_delta0, takes_supplied_delta0
+from .range_attention import check_delta0, supply_delta0, takes_supplied_delta0
 
 INPUT_DTYPES = KERNEL_DTYPES + (torch.float64,)  # the selected branch hands o_slc in the compute dtype
 COMPUTE_DTYPES = (torch.float32, torch.float64)
@@ -169,9 +169,8 @@ def gated_sum_backward(do: Tensor, gates: Tensor, o_cmp: Tensor | None, o_slc: T
     d_gates = torch.empty(gates.shape, dtype=gates.dtype, device=gates.device) if grad_gates else None
     deltas = [x if grad_outs and o is not None else None for x, o in zip(delta0, outs)]
     for x, o in zip(deltas, outs):
-        if x is not None and (x.dtype != torch.float32 or x.shape != o.shape[:-1] or not x.is_contiguous()):
-            raise ValueError(f"gated_sum_backward: delta0 must be a contiguous float32 tensor {list(o.shape[:-1])}, "
-                             f"got {x.dtype} {tuple(x.shape)}")
+        if x is not None:
+            check_delta0("gated_sum_backward", x, o.shape[:-1])
     g, d = row_view(gates), row_view(do)
     c, s, w = (row_view(x) if x is not None else d for x in outs)  # unused pointers: any tensor
     dc, ds, dw = (row_view(x) if x is not None else d for x in d_outs)

@@ -178,12 +178,18 @@ def takes_supplied_delta0(o: Tensor) -> bool:
     return getattr(o.grad_fn, "_forward_cls", None) is RangeAttentionFunction
 
 
+def check_delta0(where: str, delta0: Tensor, rows: torch.Size, whose: str = "") -> None:
+    """ValueError naming `where` unless delta0 is a D0 the range backward can take: a contiguous float32 tensor of
+    shape rows (one value per row of the gradient; whose: how the message names those rows)."""
+    if delta0.dtype != torch.float32 or delta0.shape != rows or not delta0.is_contiguous():
+        raise ValueError(f"{where}: delta0 must be a contiguous float32 tensor {list(rows)}{whose}, got "
+                         f"{delta0.dtype} {tuple(delta0.shape)}")
+
+
 def supply_delta0(do: Tensor, delta0: Tensor) -> None:
     """Hand D0 = rowsum(do * o) [B, TQ, Hq] fp32 (contiguous) to the backward of the RangeAttentionFunction
     output o whose gradient is do (takes_supplied_delta0(o)); that backward uses it once (and overwrites it)."""
-    if delta0.dtype != torch.float32 or delta0.shape != do.shape[:-1] or not delta0.is_contiguous():
-        raise ValueError(f"supply_delta0: delta0 must be a contiguous float32 tensor {list(do.shape[:-1])} (do's "
-                         f"rows), got {delta0.dtype} {tuple(delta0.shape)}")
+    check_delta0("supply_delta0", delta0, do.shape[:-1], " (do's rows)")
     _SUPPLIED_DELTA0[do] = (delta0, do._version)
 
 
