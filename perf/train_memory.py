@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from sentinels.model import count_parameters
+
 from .env import describe
-from .train_model import MODELS, batch_plan, geometry, trainer_for
+from .train_model import batch_plan, geometry, trainer_for
 
 MIB = 2 ** 20
 FIRST_LAYER = "blocks.0."
@@ -102,7 +104,7 @@ def measure(geom_name: str, model_name: str, seq_len: int, device: torch.device)
             del loss
             model.zero_grad(set_to_none=True)
         storages = saved_storages(model, forward)
-        parameters = sum(p.numel() for p in model.parameters())
+        parameters = count_parameters(model)
     attention = FIRST_LAYER + "attn"
     layer = [s for s in storages if s["module"] == attention or s["module"].startswith(attention + ".")]
     return {"model": model_name, "parameters": parameters, "kept_after_forward_bytes": kept,
@@ -173,5 +175,3 @@ def run_train_memory(args, device: torch.device) -> Path:
     print(f"perf train-memory: wrote {out}/train_memory.json and train_memory.md")
     return out
 
-
-__all__ = ["MODELS", "measure", "run_train_memory", "saved_storages"]
