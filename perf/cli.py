@@ -288,6 +288,24 @@ def _positive_int(text: str) -> int:
     return value[0]
 
 
+def parse_checkpointing(text: str) -> dict[str, bool | str]:
+    """--activation-checkpointing: a mode (off, blocks, attention) for both models, or model=mode pairs
+    ("nsa=attention": NSA recomputes its attention, dense keeps everything) -> train.activation_checkpointing per
+    model."""
+    from .train_model import CHECKPOINTING, MODELS
+
+    chosen: dict[str, bool | str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        model, _, mode = part.rpartition("=")
+        if mode not in CHECKPOINTING or (model and model not in MODELS):
+            raise argparse.ArgumentTypeError(
+                f"--activation-checkpointing takes a mode of {tuple(CHECKPOINTING)} or model=mode pairs with a model "
+                f"of {MODELS}, got {text!r}")
+        for m in ([model] if model else MODELS):
+            chosen[m] = CHECKPOINTING[mode]
+    return chosen
+
+
 def add_train_parsers(sub) -> None:
     from .train_bench import DEFAULT_SEQ_LENS
     from .train_model import GEOMETRIES, MODELS
@@ -309,8 +327,11 @@ def add_train_parsers(sub) -> None:
     train.add_argument("--steps", type=int, default=10, help="timed steps per case (default 10)")
     train.add_argument("--budget-s", type=float, default=420.0,
                        help="wall-clock budget: a case that would end past it is skipped (default 420 s)")
-    train.add_argument("--activation-checkpointing", action="store_true",
-                       help="train.activation_checkpointing for both models (default off)")
+    train.add_argument("--activation-checkpointing", type=parse_checkpointing, nargs="?",
+                       const=parse_checkpointing("blocks"), default={},
+                       help="what backward recomputes (train.activation_checkpointing): off, blocks (whole blocks; "
+                            "the flag alone), attention (each block's attention sublayer), for both models, or "
+                            "model=mode pairs, e.g. nsa=attention (default off)")
     train.add_argument("--cuda-graphs", action="store_true",
                        help="train.cuda_graphs for both models: each micro-step replayed from CUDA graphs (default: "
                             "the eager step; the trainer's own default, auto, replays graphs in one CUDA process)")

@@ -65,12 +65,14 @@ _FIELD_TYPES = {f.name: f.type for f in fields(Row)}
 
 
 def parse_cell(kind: str, text: str) -> Any:
-    """One CSV cell back to the type a dataclass field declares (its annotation as a string): str, int, float or
-    bool, "| None" fields empty as None."""
+    """One CSV cell back to the type a dataclass field declares (its annotation as a string): str, int, float,
+    bool or "bool | str" (True / False, else the text), "| None" fields empty as None."""
     if kind == "str":
         return text
     if text == "":
         return None if "None" in kind else 0
+    if kind.startswith("bool | str"):  # a flag or a named mode
+        return {"True": True, "False": False}.get(text, text)
     if kind.startswith("bool"):
         return text == "True"
     if kind.startswith("int"):

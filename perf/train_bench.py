@@ -56,7 +56,7 @@ class TrainRow:
     grad_accum: int
     tokens_per_step: int
     status: str
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
     cuda_graphs: bool = False
     median_step_ms: float | None = None
     mean_step_ms: float | None = None
@@ -244,7 +244,8 @@ class Sweep:
 
     def __init__(self, geometries: tuple[str, ...], models: tuple[str, ...], seq_lens: tuple[int, ...],
                  tokens_per_step: int, micro_tokens: int, warmup: int, steps: int, budget_s: float,
-                 device: torch.device, execution: Execution = Execution(), log=print):
+                 device: torch.device, execution: Execution | dict[str, Execution] = Execution(), log=print):
+        """execution: how both models run, or each model's (a model it does not name runs plain eager steps)."""
         for name in geometries:
             geometry(name)
         bad = [m for m in models if m not in MODELS]
@@ -255,7 +256,9 @@ class Sweep:
         self.plans = [batch_plan(T, tokens_per_step, micro_tokens) for T in seq_lens]
         self.geometries, self.models = geometries, models
         self.warmup, self.steps, self.budget_s, self.device = warmup, steps, budget_s, device
-        self.execution, self.log = execution, log
+        self.executions = {m: execution if isinstance(execution, Execution) else execution.get(m, Execution())
+                           for m in models}
+        self.log = log
         self.started = time.perf_counter()
         self._last: dict[tuple[str, str], tuple[int, float]] = {}  # (geometry, model) -> (T, seconds per step)
 
@@ -280,11 +283,11 @@ class Sweep:
                         note = (f"skipped by the {self.budget_s:.0f} s budget: predicted ~{predicted or 0:.0f} s, "
                                 f"{max(0.0, left):.0f} s left")
                         row = TrainRow(geom, model, plan.seq_len, plan.micro_batch, plan.grad_accum, plan.tokens,
-                                       SKIPPED, self.execution.activation_checkpointing,
-                                       self.execution.cuda_graphs, note=note)
+                                       SKIPPED, self.executions[model].activation_checkpointing,
+                                       self.executions[model].cuda_graphs, note=note)
                     else:
                         row = run_case(geom, model, plan, warmup=self.warmup, steps=self.steps, device=self.device,
-                                       deadline=self.deadline(), execution=self.execution, log=self.log)
+                                       deadline=self.deadline(), execution=self.executions[model], log=self.log)
                         if row.status == OK:
                             self._last[(geom, model)] = (plan.seq_len, row.median_step_ms / 1e3)
                     rows.append(row)
@@ -332,7 +335,8 @@ def run_sweep(args, device: torch.device) -> tuple[list[TrainRow], Path]:
 
     out_dir = Path(args.out)
     sweep = Sweep(args.geometries, args.models, args.seq_lens, args.tokens_per_step, args.micro_tokens, args.warmup,
-                  args.steps, args.budget_s, device, Execution(args.activation_checkpointing, args.cuda_graphs))
+                  args.steps, args.budget_s, device,
+                  {m: Execution(args.activation_checkpointing.get(m, False), args.cuda_graphs) for m in MODELS})
     env = describe(device)
     meta = {"env": env, "geometries": {g: GEOMETRIES[g].description for g in args.geometries},
             "tokens_per_step": args.tokens_per_step, "micro_batch_tokens": args.micro_tokens,

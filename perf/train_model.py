@@ -43,23 +43,30 @@ MODELS = ("nsa", "dense")
 PAPER_NSA = NSAConfig.preset("paper", head_dim_qk=128, head_dim_v=128)
 
 
+# --activation-checkpointing's modes: train.activation_checkpointing's values
+CHECKPOINTING = {"off": False, "blocks": True, "attention": "attention"}
+
+
 @dataclass(frozen=True)
 class Execution:
-    """How the trainer runs a step, for both models of a case: train.activation_checkpointing and train.cuda_graphs
-    (sentinels/graphs.py)."""
+    """How the trainer runs one model's steps: train.activation_checkpointing (False, True for whole blocks, or
+    "attention": each block's attention sublayer recomputed in backward) and train.cuda_graphs (sentinels/graphs.py)."""
 
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
     cuda_graphs: bool = False
 
-    def overrides(self) -> dict[str, bool]:
+    def overrides(self) -> dict[str, bool | str]:
         return {"train.activation_checkpointing": self.activation_checkpointing,
                 "train.cuda_graphs": self.cuda_graphs}
 
+    def parts(self) -> list[str]:
+        """What a report says of a row: nothing for plain eager steps."""
+        recompute = {True: "activation checkpointing", "attention": "attention recomputed"}
+        return [name for on, name in ((self.activation_checkpointing, recompute.get(self.activation_checkpointing)),
+                                      (self.cuda_graphs, "CUDA graphs")) if on]
+
     def label(self) -> str:
-        """What a report adds to a row: '' for plain eager steps."""
-        parts = [name for on, name in ((self.activation_checkpointing, "activation checkpointing"),
-                                       (self.cuda_graphs, "CUDA graphs")) if on]
-        return ", ".join(parts)
+        return ", ".join(self.parts())
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,9 @@ class DenseAttention(nn.Module):
         with sdpa_kernel(fused):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
-    def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None,
+                keep_stats: bool = True) -> Tensor:
+        """keep_stats: NSALayerAttention's keyword; the statistics here are constant."""
         if cu_seqlens is not None:
             raise ValueError("DenseAttention runs contiguous windows only (the benchmark's data.packing contiguous)")
         B, T, _ = x.shape

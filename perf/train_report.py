@@ -50,6 +50,21 @@ def _cell(row: TrainRow | None, what: str) -> str:
     return f"{row.median_step_ms:.1f} / {row.mean_step_ms:.1f}"
 
 
+def execution_label(nsa: TrainRow | None, dense: TrainRow | None) -> str:
+    """How a table row's steps ran: what both models did, then what only one of them did ("NSA: attention
+    recomputed" where the dense model kept its activations)."""
+    parts = {m: r.execution.parts() for m, r in (("nsa", nsa), ("dense", dense)) if r is not None}
+    shared = [p for p in dict.fromkeys(sum(parts.values(), [])) if all(p in ps for ps in parts.values())]
+    only = [f"{MODEL_TITLE[m].split(' ')[0]}: {p}" for m, ps in parts.items() for p in ps if p not in shared]
+    return ", ".join(shared + only)
+
+
+def _differing(pairs) -> str:
+    """' (NSA: ...)' where the NSA and dense rows of pairs ran differently, naming how."""
+    labels = dict.fromkeys(execution_label(n, d) for _, n, d in pairs if n and d and n.execution != d.execution)
+    return f" ({'; '.join(labels)})" if labels else ""
+
+
 def target_lines(rows: list[TrainRow], geom: str) -> list[str]:
     idx = _index(rows)
     lines = []
@@ -63,7 +78,7 @@ def target_lines(rows: list[TrainRow], geom: str) -> list[str]:
             continue
         ratio = nsa.tokens_per_s / dense.tokens_per_s
         lines.append(head + f"measured {ratio:.2f}x ({nsa.tokens_per_s:,.0f} / {dense.tokens_per_s:,.0f} tokens/s): "
-                     + ("MET" if ratio >= target else "NOT MET"))
+                     + ("MET" if ratio >= target else "NOT MET") + _differing([(T, nsa, dense)]))
     pairs = [(T, idx.get((geom, "nsa", T)), idx.get((geom, "dense", T)))
              for T in sorted({r.seq_len for r in rows if r.geometry == geom}) if T >= MEMORY_TARGET_FROM]
     measured = [(T, n, d) for T, n, d in pairs if n and d and n.status == OK and d.status == OK
@@ -74,7 +89,7 @@ def target_lines(rows: list[TrainRow], geom: str) -> list[str]:
         unmeasured = [_t(T) for T, n, d in pairs if (T, n, d) not in measured]
         lines.append(f"- NSA peak memory <= dense at every seq_len >= {_t(MEMORY_TARGET_FROM)}: "
                      + (("NOT MET at " + ", ".join(over)) if over else "MET")
-                     + (f" (not measured at {', '.join(unmeasured)})" if unmeasured else ""))
+                     + (f" (not measured at {', '.join(unmeasured)})" if unmeasured else "") + _differing(measured))
     return lines
 
 
@@ -96,7 +111,8 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
            f"{meta.get('timed_steps', '?')} timed steps ({meta.get('timing', '')}); tokens/s = tokens per step / "
            f"median step; peak memory = torch.cuda.max_memory_allocated over the timed steps (rows with CUDA graphs: "
            f"torch.cuda.max_memory_reserved, which counts the graphs' private memory pools). Activation "
-           f"checkpointing and CUDA graphs (train.cuda_graphs): off unless a row says so.", ""]
+           f"checkpointing (train.activation_checkpointing) and CUDA graphs (train.cuda_graphs): off unless a row "
+           f"says so (\"NSA: ...\" where only the NSA model ran so).", ""]
     kept, earlier = meta.get("kept_rows") or [], meta.get("earlier") or []
     if kept:
         where = "; ".join(f"{e['env'].get('device', '?')}, torch {e['env'].get('torch', '?')}, triton "
@@ -113,7 +129,7 @@ def markdown(rows: list[TrainRow], meta: dict) -> str:
         for T in sorted({r.seq_len for r in rows if r.geometry == geom}):
             nsa, dense = idx.get((geom, "nsa", T)), idx.get((geom, "dense", T))
             any_row = nsa or dense
-            label = ", ".join(dict.fromkeys(r.execution.label() for r in (nsa, dense) if r and r.execution.label()))
+            label = execution_label(nsa, dense)
             cells = [_t(T) + (f" ({label})" if label else ""), f"{any_row.micro_batch} x {any_row.grad_accum}",
                      _cell(nsa, "tps"), _cell(dense, "tps"), f"{ratio[T]:.2f}x" if T in ratio else "-",
                      _cell(nsa, "mem"), _cell(dense, "mem"), _cell(nsa, "ms"), _cell(dense, "ms")]

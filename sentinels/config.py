@@ -41,6 +41,7 @@ TOKENIZERS = ("byte", "gpt2")
 PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLELS = ("ddp", "fsdp")
+ACTIVATION_CHECKPOINTING = (False, True, "attention")
 
 
 def _require(cond: bool, key: str, rule: str, value: Any) -> None:
@@ -217,11 +218,14 @@ class TrainConfig:
     # through torch.distributed.checkpoint.
     parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
-    activation_checkpointing: bool = False
+    # What backward recomputes instead of keeping: false keeps every activation; attention keeps only each block's
+    # input to its attention sublayer and recomputes the sublayer (norm, q/k/v and gate projections, NSA, output
+    # projection) in backward, the MLP keeping its activations as usual; true recomputes whole blocks.
+    activation_checkpointing: Literal[False, True, "attention"] = False
     # Record each micro-step's forward and backward once as CUDA graphs and replay them (sentinels/graphs.py): one
     # launch instead of one per kernel, so the step time no longer depends on the host queueing many short NSA
-    # kernels. true needs CUDA, one process, data.packing contiguous and no activation_checkpointing (refused
-    # otherwise); auto (the default) turns it on exactly when those hold; false keeps the eager step.
+    # kernels. true needs CUDA, one process, data.packing contiguous and activation_checkpointing false or attention
+    # (refused otherwise); auto (the default) turns it on exactly when those hold; false keeps the eager step.
     cuda_graphs: Literal["auto", True, False] = "auto"
     save_every: int = 50  # steps between checkpoints (0 = only at the end / on halt)
     keep_checkpoints: int = 2
@@ -242,6 +246,9 @@ class TrainConfig:
         _require(self.precision in PRECISIONS, f"{key}.precision", f"must be one of {PRECISIONS}", self.precision)
         _require(self.device in DEVICES, f"{key}.device", f"must be one of {DEVICES}", self.device)
         _require(self.parallel in PARALLELS, f"{key}.parallel", f"must be one of {PARALLELS}", self.parallel)
+        _require(any(self.activation_checkpointing == a and type(self.activation_checkpointing) is type(a)
+                     for a in ACTIVATION_CHECKPOINTING), f"{key}.activation_checkpointing",
+                 "must be one of [false, true, attention]", self.activation_checkpointing)
         _require(self.save_every >= 0, f"{key}.save_every", "must be >= 0", self.save_every)
         _require(bool(self.out_dir), f"{key}.out_dir", "must be a non-empty path", self.out_dir)
 
@@ -321,8 +328,9 @@ class RunConfig:
             _require(self.data.packing == "contiguous", "train.cuda_graphs",
                      "replays one batch shape: needs data.packing contiguous (varlen batches change shape)",
                      self.data.packing)
-            _require(not self.train.activation_checkpointing, "train.cuda_graphs",
-                     "is not combined with train.activation_checkpointing", self.train.activation_checkpointing)
+            _require(self.train.activation_checkpointing is not True, "train.cuda_graphs",
+                     "is not combined with train.activation_checkpointing true (whole blocks; attention is)",
+                     self.train.activation_checkpointing)
         if self.model.debug.leak == "cross_document":
             _require(self.data.packing == "varlen", "model.debug.leak",
                      "cross_document drops the document boundaries of data.packing varlen (set data.packing: varlen)",

@@ -172,7 +172,10 @@ class NSALayerAttention(nn.Module):
             return gates * 0 + 1  # keeps the graph; every gate is exactly 1
         return gates
 
-    def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, position_offset: int = 0, *, cu_seqlens: Tensor | None = None,
+                keep_stats: bool = True) -> Tensor:
+        """keep_stats: set last_stats from this call (False: a recomputation in backward, whose statistics are
+        those of the forward it repeats)."""
         B, T, _ = x.shape
         if cu_seqlens is None:
             q, kv, gates = self.inner.project(x, position_offset)
@@ -210,10 +213,11 @@ class NSALayerAttention(nn.Module):
             o = out.o.clone()
             o[:, :, 0] = nsa(leaky).o[:, :, 0]
             out = dataclasses.replace(out, o=o)
-        block_offsets = None
-        if cu_seqlens is not None and self.debug.leak != "cross_document":
-            block_offsets = _document_block_offsets(cu_seqlens, self.inner.cfg.sel_block)
-        self.last_stats = _layer_stats(gates, out, self.inner.cfg, T, block_offsets)
+        if keep_stats:
+            block_offsets = None
+            if cu_seqlens is not None and self.debug.leak != "cross_document":
+                block_offsets = _document_block_offsets(cu_seqlens, self.inner.cfg.sel_block)
+            self.last_stats = _layer_stats(gates, out, self.inner.cfg, T, block_offsets)
         project_output = getattr(self.inner, "project_output", None)  # optimized.NSAAttention's: o not kept
         if project_output is not None:
             return project_output(out.o, x.dtype)
@@ -282,9 +286,30 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens)
+    def forward(self, x: Tensor, cu_seqlens: Tensor | None = None, *, recompute_attention: bool = False) -> Tensor:
+        """recompute_attention: backward keeps x alone for the attention sublayer and recomputes the rest of it
+        (recomputed_attention); the MLP sublayer keeps its activations either way."""
+        if recompute_attention:
+            x = x + self.recomputed_attention(x, cu_seqlens)
+        else:
+            x = x + self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
+
+    def recomputed_attention(self, x: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """attn(attn_norm(x)) under torch.utils.checkpoint: of everything the sublayer would keep for backward (the
+        norm's fp32 intermediates, the projections' inputs, rotated q and k, the branches' k, v and outputs, the
+        selection and the softmax statistics) only x is kept, and backward runs the sublayer again first. The
+        recomputation is bitwise the forward: the sublayer draws no random numbers (so no RNG state is saved, which
+        a CUDA graph recording the step would not allow) and its kernels are deterministic. The layer statistics
+        are the forward's; the recomputation does not compute them again."""
+        calls = 0
+
+        def sublayer(x: Tensor) -> Tensor:
+            nonlocal calls
+            calls += 1
+            return self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, keep_stats=calls == 1)
+
+        return checkpoint(sublayer, x, use_reentrant=False, preserve_rng_state=False)
 
 
 class NSALanguageModel(nn.Module):
@@ -301,7 +326,7 @@ class NSALanguageModel(nn.Module):
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.activation_checkpointing = False
+        self.activation_checkpointing: bool | str = False  # train.activation_checkpointing: False, True, "attention"
 
     def _init_weights(self) -> None:
         std = 0.02
@@ -325,11 +350,12 @@ class NSALanguageModel(nn.Module):
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0])
         x = self.embed(input_ids)
+        recompute = self.activation_checkpointing if self.training and torch.is_grad_enabled() else False
         for block in self.blocks:
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if recompute is True:
                 x = checkpoint(block, x, cu_seqlens, use_reentrant=False)
             else:
-                x = block(x, cu_seqlens)
+                x = block(x, cu_seqlens, recompute_attention=recompute == "attention")
         x = self.final_norm(x)
         if labels is not None:
             return lm_head_loss(x, self.lm_head.weight, labels, loss_mask)

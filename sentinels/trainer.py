@@ -663,7 +663,8 @@ class Trainer:
         reasons = [why for off, why in ((self.device.type != "cuda", f"device {self.device.type}"),
                                         (self.dist.active, f"{self.dist.world_size} ranks"),
                                         (cfg.data.packing != "contiguous", f"data.packing {cfg.data.packing}"),
-                                        (cfg.train.activation_checkpointing, "activation checkpointing")) if off]
+                                        (cfg.train.activation_checkpointing is True,
+                                         "activation checkpointing of whole blocks")) if off]
         if self.device.type == "cuda":  # on CPU there is nothing to say
             log.info("train.cuda_graphs auto: %s", f"off ({', '.join(reasons)})" if reasons else
                      "on (each micro-step replayed from CUDA graphs; train.cuda_graphs: false keeps the eager step)")

@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from perf.cli import main
+from perf.cli import main, parse_checkpointing
 from perf.env import host_cpu
-from perf.train_bench import OverBudget, StepClock, _carry_earlier_meta, read_rows
+from perf.train_bench import OverBudget, StepClock, TrainRow, _carry_earlier_meta, read_rows
 from perf.train_memory import saved_storages
+from perf.train_report import execution_label, target_lines
 from perf.train_model import DenseAttention, batch_plan, geometry, trainer_for, use_dense_attention
 from reference.module import apply_rope
 from sentinels.model import build_model
@@ -157,6 +158,48 @@ def test_merged_sweep_names_the_rows_and_the_machine_it_did_not_measure(tmp_path
                                   "earlier": [{"env": {"device": "before"}}, {"env": {"device": "then"}}]})
     assert carried["geometries"] == {"paper": "p", "tiny": "t"}
     assert carried["earlier"] == [{"env": {"device": "before"}}, {"env": {"device": "then"}}]
+
+
+def test_sweep_runs_each_model_as_told_and_the_report_says_which(tmp_path, one_thread):
+    """--activation-checkpointing nsa=attention: the NSA model recomputes its attention sublayers, the dense model keeps
+    every activation; the rows record it (through the CSV), the table and the target lines say it ran so."""
+    out = tmp_path / "train"
+    assert main(["train", "--device", "cpu", "--geometries", "tiny", "--seq-lens", "16", "--tokens-per-step", "32",
+                 "--micro-batch-tokens", "32", "--warmup", "1", "--steps", "1", "--activation-checkpointing",
+                 "nsa=attention", "--out", str(out)]) == 0
+    rows = {r.model: r for r in read_rows(out / "train.csv")}
+    assert rows["nsa"].status == rows["dense"].status == "ok"
+    assert rows["nsa"].activation_checkpointing == "attention" and rows["dense"].activation_checkpointing is False
+    assert "| 16 (NSA: attention recomputed) | 2 x 1 |" in (out / "train.md").read_text()
+
+    def row(model: str, checkpointing, graphs: bool, peak: int) -> TrainRow:
+        return TrainRow("prod-125m", model, 16384, 1, 4, 65536, "ok", checkpointing, graphs, median_step_ms=1.0,
+                        mean_step_ms=1.0, tokens_per_s=1.0, peak_mem_bytes=peak)
+
+    assert execution_label(row("nsa", "attention", True, 1), row("dense", False, True, 1)) == \
+        "CUDA graphs, NSA: attention recomputed"
+    assert execution_label(row("nsa", True, False, 1), row("dense", True, False, 1)) == "activation checkpointing"
+    lines = target_lines([row("nsa", "attention", True, 2**30), row("dense", False, True, 2**31)], "prod-125m")
+    assert lines[-1] == ("- NSA peak memory <= dense at every seq_len >= 8k: MET (CUDA graphs, NSA: attention "
+                         "recomputed)")
+    same = target_lines([row("nsa", False, True, 2**31), row("dense", False, True, 2**30)], "prod-125m")
+    assert same[-1] == "- NSA peak memory <= dense at every seq_len >= 8k: NOT MET at 16k (2.0 > 1.0 GiB)"
+
+
+@pytest.mark.parametrize("text, want", [
+    ("attention", {"nsa": "attention", "dense": "attention"}), ("blocks", {"nsa": True, "dense": True}),
+    ("nsa=attention", {"nsa": "attention"}), ("nsa=attention,dense=blocks", {"nsa": "attention", "dense": True}),
+    ("off", {"nsa": False, "dense": False})])
+def test_activation_checkpointing_flag(text, want):
+    assert parse_checkpointing(text) == want
+
+
+@pytest.mark.parametrize("text", ["sometimes", "nsa=sometimes", "mamba=attention", "nsa=", ""])
+def test_activation_checkpointing_flag_refuses_in_one_line(text, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--device", "cpu", "--activation-checkpointing", text])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--activation-checkpointing takes a mode of ('off', 'blocks', 'attention')" in err
 
 
 def test_saved_storages_counts_each_storage_once_without_parameters():

@@ -64,7 +64,9 @@ def test_unknown_key_is_named(tmp_path):
     ("train: 5\n", r"train: must be a mapping"),
     ("train:\n  cuda_graphs: true\n  device: cpu\n", r"train\.cuda_graphs: needs train\.device cuda or auto"),
     ("train:\n  cuda_graphs: true\n  activation_checkpointing: true\n",
-     r"train\.cuda_graphs: is not combined with train\.activation_checkpointing"),
+     r"train\.cuda_graphs: is not combined with train\.activation_checkpointing true"),
+    ("train:\n  activation_checkpointing: sometimes\n",
+     r"train\.activation_checkpointing: must be one of \[false, true, 'attention'\], got 'sometimes'$"),
     ("train:\n  cuda_graphs: true\ndata:\n  packing: varlen\n", r"train\.cuda_graphs: replays one batch shape"),
     ("train:\n  cuda_graphs: 1\n", r"train\.cuda_graphs: must be one of \['auto', true, false\], got 1$"),
     ("train:\n  cuda_graphs: always\n", r"train\.cuda_graphs: must be one of \['auto', true, false\], got 'always'"),
@@ -82,6 +84,13 @@ def test_cuda_graphs_default_to_auto_which_any_setup_accepts(tmp_path):
                  "data:\n  packing: varlen\n"):
         assert load_config(_write(tmp_path, text)).train.cuda_graphs == "auto"
     assert load_config(TINY, ["train.cuda_graphs=false"]).train.cuda_graphs is False
+
+
+def test_attention_recomputation_combines_with_cuda_graphs(tmp_path):
+    cfg = load_config(_write(tmp_path, "train:\n  cuda_graphs: true\n  activation_checkpointing: attention\n"))
+    assert cfg.train.activation_checkpointing == "attention" and cfg.train.cuda_graphs is True
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing: must be one of"):
+        cfg.replace(**{"train.activation_checkpointing": "blocks"})
 
 
 def test_overrides_and_replace():

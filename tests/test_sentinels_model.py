@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 from reference.contract import BRANCHES
 from sentinels.config import load_config
@@ -177,6 +178,75 @@ def test_activation_checkpointing_gives_the_same_gradients(backend):
         lm_loss(m(x[:, :-1]), x[:, 1:]).backward()
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.allclose(pa.grad, pb.grad, atol=1e-6), name
+
+
+def _saved_bytes(model, x) -> tuple[Tensor, int]:
+    """The loss of model on x and the bytes of the distinct storages its forward saves for backward (what autograd
+    packs at the top level: a checkpointed region hands over only what its own hooks keep)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+    return loss, sum(storages.values())
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"], ids=["cpu-default", "kernels"])
+def test_recomputed_attention_gives_the_same_gradients_and_statistics(backend, monkeypatch):
+    """train.activation_checkpointing attention: bitwise the same loss, gradients and layer statistics as keeping
+    every activation; the forward keeps less; backward runs each layer's NSA once more, its statistics not again."""
+    import sentinels.model as model_module
+
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    _, a = _model()
+    _, b = _model()
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m.train().to(device)
+        for block in m.blocks:
+            block.attn.inner.backend = block.attn.inner.range_backend = backend
+    b.activation_checkpointing = "attention"
+    x = _tokens().to(device)
+    stats_calls = []
+    layer_stats = model_module._layer_stats
+    monkeypatch.setattr(model_module, "_layer_stats", lambda *a, **k: stats_calls.append(1) or layer_stats(*a, **k))
+    nsa_calls = []
+    for block in b.blocks:
+        inner_forward = block.attn.inner.functional_forward
+        monkeypatch.setattr(block.attn.inner, "functional_forward",
+                            lambda *a, f=inner_forward, **k: nsa_calls.append(1) or f(*a, **k))
+    loss_a, kept_a = _saved_bytes(a, x)
+    loss_b, kept_b = _saved_bytes(b, x)
+    assert torch.equal(loss_a, loss_b)
+    assert len(nsa_calls) == len(b.blocks)
+    # each layer keeps at least its attention output (the output projection's input) and rotated q beyond its input
+    n_layers, width = len(b.blocks), a.cfg.d_model
+    assert kept_b <= kept_a - n_layers * 2 * (T - 1) * width * 4, (kept_a, kept_b)
+    stats_after_forward = [s.gate_mean.clone() for s in b.layer_stats()]
+    for loss in (loss_a, loss_b):
+        loss.backward()
+    assert len(nsa_calls) == 2 * len(b.blocks)  # recomputed once in backward
+    assert len(stats_calls) == 2 * len(b.blocks)  # a's and b's forwards, not b's recomputation
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa.grad, pb.grad), name
+    for sa, sb, kept in zip(a.layer_stats(), b.layer_stats(), stats_after_forward):
+        for field in ("gate_mean", "gate_max", "distinct_blocks", "reads"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+        assert torch.equal(sb.gate_mean, kept)
+
+
+def test_recomputed_attention_leaves_evaluation_unchanged():
+    """Without gradients (evaluation), attention recomputation does nothing: the same logits, and nothing to keep."""
+    _, a = _model()
+    a.activation_checkpointing = "attention"
+    x = _tokens()
+    with torch.no_grad():
+        want = a(x)
+        a.activation_checkpointing = False
+        assert torch.equal(a(x), want)
 
 
 def test_tied_embeddings_share_the_weight():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from sentinels.config import load_config
@@ -30,11 +31,11 @@ def _evaluate_at_step_2(trainer: Trainer, step: int) -> None:
         trainer.model.train()
 
 
-def _train(out_dir: Path, cuda_graphs: bool) -> tuple[list[dict], dict[str, torch.Tensor], Trainer]:
+def _train(out_dir: Path, cuda_graphs: bool, *overrides: str) -> tuple[list[dict], dict[str, torch.Tensor], Trainer]:
     cfg = load_config(TINY, [f"train.out_dir={out_dir}", "train.device=cuda", "train.precision=bf16",
                              "train.seq_len=256", "train.micro_batch_size=2", "train.grad_accum=2", "train.steps=4",
                              "train.warmup_steps=1", "train.save_every=0",
-                             f"train.cuda_graphs={str(cuda_graphs).lower()}"])
+                             f"train.cuda_graphs={str(cuda_graphs).lower()}", *overrides])
     trainer = Trainer(cfg, console=False, save_checkpoints=False, step_hook=_evaluate_at_step_2)
     try:
         result = trainer.train()
@@ -45,9 +46,13 @@ def _train(out_dir: Path, cuda_graphs: bool) -> tuple[list[dict], dict[str, torc
         trainer.close()
 
 
-def test_graphed_steps_train_exactly_as_eager_steps(tmp_path):
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "attention-recomputed"])
+def test_graphed_steps_train_exactly_as_eager_steps(tmp_path, recompute):
+    """Also with train.activation_checkpointing attention in the graphed run: recomputing each attention sublayer
+    inside the recorded backward changes nothing, bit for bit."""
     eager_records, eager_weights, _ = _train(tmp_path / "eager", cuda_graphs=False)
-    graph_records, graph_weights, trainer = _train(tmp_path / "graphs", cuda_graphs=True)
+    graph_records, graph_weights, trainer = _train(
+        tmp_path / "graphs", True, *(("train.activation_checkpointing=attention",) if recompute else ()))
     assert trainer.graphed_loss is not None and trainer.graphed_loss._graphed is not None  # it did record
     keys = ("loss", "grad_norm", "sel_distinct_blocks", "reads_total", "gate_mean_per_layer", "gate_max_per_layer")
     for eager, graphed in zip(eager_records, graph_records, strict=True):
@@ -59,8 +64,9 @@ def test_graphed_steps_train_exactly_as_eager_steps(tmp_path):
 
 
 def test_the_default_auto_records_graphs_where_they_can_run(tmp_path):
-    """train.cuda_graphs defaults to auto: on for one CUDA process with contiguous packing, off (not refused) with
-    activation checkpointing or varlen packing, which graphs cannot replay."""
+    """train.cuda_graphs defaults to auto: on for one CUDA process with contiguous packing (also with the attention
+    sublayers recomputed), off (not refused) with whole blocks checkpointed or varlen packing, which graphs cannot
+    replay."""
     def trainer(name: str, *overrides: str) -> Trainer:
         cfg = load_config(TINY, [f"train.out_dir={tmp_path / name}", "train.device=cuda", "train.seq_len=64",
                                  "train.steps=1", "train.warmup_steps=0", *overrides])
@@ -68,6 +74,7 @@ def test_the_default_auto_records_graphs_where_they_can_run(tmp_path):
         return Trainer(cfg, console=False, save_checkpoints=False)
 
     for name, overrides, graphed in (("on", (), True), ("ckpt", ("train.activation_checkpointing=true",), False),
+                                     ("attn", ("train.activation_checkpointing=attention",), True),
                                      ("varlen", ("data.packing=varlen",), False)):
         t = trainer(name, *overrides)
         try:
