@@ -32,6 +32,7 @@ from .compressed import compressed_attention_rows
 from .compression import compress_unrounded
 from .dispatch import Route, route
 from .documents import Documents, documents
+from .recompute import FORWARD_TAPE, KeptSelection
 from .scoring import selection_indices_rows
 from .selected import selected_attention_rows
 from .window import window_attention_rows
@@ -170,15 +171,22 @@ def _kernel_path(q: Tensor, kv: BranchKV, gates: Tensor, cfg: NSAConfig, phi: Ph
                                                          first_position)
     if "slc" in branches:
         own_selection = indices is None
-        if own_selection:  # Eq. 8-11
+        # a recomputation in backward takes the forward's selection and selected output back (optimized.recompute)
+        tape = FORWARD_TAPE.get() if own_selection and where.selected else None
+        kept = None if tape is None else tape.next_call()
+        if kept is not None and kept.replay:
+            indices = kept.indices
+        elif own_selection:  # Eq. 8-11
             indices = selection.selection_indices_rows(q, k_cmp, cfg, positions, n_sel_blocks, docs=docs,
                                                        cmp_softmax=cmp_softmax, chunk_size=chunk_size,
                                                        first_position=None if docs else first_position)
+            if kept is not None:
+                kept.indices = indices
         # Eq. 12; o_slc stays in the kernel's dtype (Eq. 5's kernel widens it, an fp32 copy would only add traffic)
         o_slc, reads_slc = selected_branch(where, q, kv.slc.k, kv.slc.v, indices, cfg, positions,
                                            chunk_size=chunk_size, compute=cd, kernel_dtype=q.dtype,
                                            widen_kernel_output=False, docs=docs,
-                                           own_selection_from=first_position if own_selection else None)
+                                           own_selection_from=first_position if own_selection else None, kept=kept)
     o = eq5.gated_sum_kernel(gates, o_cmp, o_slc, o_win, compute=cd, dtype=q.dtype)  # Eq. 5 in one pass
     return _output(q, cfg, o, indices, (o_cmp, o_slc, o_win), (reads_cmp, reads_slc, reads_win))
 
@@ -199,7 +207,8 @@ def _output(q: Tensor, cfg: NSAConfig, o: Tensor, indices: Tensor | None, outs: 
 def selected_branch(where: Route, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, cfg: NSAConfig,
                     positions: Tensor, *, chunk_size: int | None = None, compute: torch.dtype | None = None,
                     kernel_dtype: torch.dtype | None = None, widen_kernel_output: bool = True,
-                    docs: Documents | None = None, own_selection_from: int | None = None) -> tuple[Tensor, Tensor]:
+                    docs: Documents | None = None, own_selection_from: int | None = None,
+                    kept: KeptSelection | None = None) -> tuple[Tensor, Tensor]:
     """The selected branch (Eq. 12) for queries q [B, TQ, Hq, dk] at positions [TQ] over keys k [B, TK, Hkv, dk],
     on the selected-attention kernel when where.selected, else on the torch path's masked attention: (o_slc
     [B, TQ, Hq, dv] in the compute dtype, reads [B, TQ, Hkv]). compute: default where.compute; kernel_dtype: the
@@ -209,7 +218,8 @@ def selected_branch(where: Route, q: Tensor, k: Tensor, v: Tensor, indices: Tens
     positions from this one to the last key, and `indices` are what the selection kernels computed for them, so
     the leading rows whose selection had no choice (every block up to their own) read one contiguous key run, which
     the kernel path attends to with the range kernels (kernels/selected_attention.full_selection_ranges); ignored
-    with docs (a packed batch gathers every row)."""
+    with docs (a packed batch gathers every row). kept: the call's entry of a recomputation's tape (kernel path;
+    optimized.recompute), where the kernel's output and statistics are kept or taken back."""
     compute = compute or where.compute
     if not where.selected:
         return selected_attention_rows(q, k, v, indices, cfg, positions, chunk_size=chunk_size, compute=compute,
@@ -222,7 +232,7 @@ def selected_branch(where: Route, q: Tensor, k: Tensor, v: Tensor, indices: Tens
         own_selection_from, q.shape[1], cfg, q.device)
     o = triton_selected_attention(q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype), indices, cfg.sel_block,
                                   doc_start=None if doc_start is None else doc_start.to(torch.int32),
-                                  full_rows=full_rows)
+                                  full_rows=full_rows, kept=kept)
     relative = positions if doc_start is None else positions - doc_start
     return o.to(compute) if widen_kernel_output else o, admitted_reads(indices, relative, cfg.sel_block)
 

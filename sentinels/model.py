@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from optimized.device_tables import DeviceTables
+from optimized.recompute import ForwardTape
 from reference.config import NSAConfig
 from reference.contract import KV, BRANCHES, BranchKV, NSAOutput
 from reference.packing import check_cu_seqlens
@@ -298,16 +299,20 @@ class DecoderBlock(nn.Module):
     def recomputed_attention(self, x: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         """attn(attn_norm(x)) under torch.utils.checkpoint: of everything the sublayer would keep for backward (the
         norm's fp32 intermediates, the projections' inputs, rotated q and k, the branches' k, v and outputs, the
-        selection and the softmax statistics) only x is kept, and backward runs the sublayer again first. The
+        softmax statistics) only x is kept, and backward runs the sublayer again first. On the kernel path NSA's
+        selection and selected branch, the costliest stages to run twice, are not run again: their indices, output
+        and statistics are kept from the forward and handed back (optimized.recompute.ForwardTape). The
         recomputation is bitwise the forward: the sublayer draws no random numbers (so no RNG state is saved, which
         a CUDA graph recording the step would not allow) and its kernels are deterministic. The layer statistics
         are the forward's; the recomputation does not compute them again."""
+        tape = ForwardTape()
         calls = 0
 
         def sublayer(x: Tensor) -> Tensor:
             nonlocal calls
             calls += 1
-            return self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, keep_stats=calls == 1)
+            with tape.recording() if calls == 1 else tape.replaying():
+                return self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, keep_stats=calls == 1)
 
         return checkpoint(sublayer, x, use_reentrant=False, preserve_rng_state=False)
 

@@ -197,7 +197,10 @@ def _saved_bytes(model, x) -> tuple[Tensor, int]:
 @pytest.mark.parametrize("backend", ["auto", "triton"], ids=["cpu-default", "kernels"])
 def test_recomputed_attention_gives_the_same_gradients_and_statistics(backend, monkeypatch):
     """train.activation_checkpointing attention: bitwise the same loss, gradients and layer statistics as keeping
-    every activation; the forward keeps less; backward runs each layer's NSA once more, its statistics not again."""
+    every activation; the forward keeps less; backward runs each layer's NSA once more, its statistics not again,
+    and on the kernels not its selection and selected branch either (taken back from the forward)."""
+    import optimized.kernels.selected_attention as selected_kernels
+    import optimized.kernels.selection as selection_kernels
     import sentinels.model as model_module
 
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
@@ -213,6 +216,17 @@ def test_recomputed_attention_gives_the_same_gradients_and_statistics(backend, m
     stats_calls = []
     layer_stats = model_module._layer_stats
     monkeypatch.setattr(model_module, "_layer_stats", lambda *a, **k: stats_calls.append(1) or layer_stats(*a, **k))
+    kernel_calls = {"selection": 0, "selected": 0}
+
+    def counted(name, f):
+        def call(*args, **kwargs):
+            kernel_calls[name] += 1
+            return f(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(selection_kernels, "selection_indices_rows",
+                        counted("selection", selection_kernels.selection_indices_rows))
+    monkeypatch.setattr(selected_kernels, "_forward", counted("selected", selected_kernels._forward))
     nsa_calls = []
     for block in b.blocks:
         inner_forward = block.attn.inner.functional_forward
@@ -229,6 +243,8 @@ def test_recomputed_attention_gives_the_same_gradients_and_statistics(backend, m
     for loss in (loss_a, loss_b):
         loss.backward()
     assert len(nsa_calls) == 2 * len(b.blocks)  # recomputed once in backward
+    on_kernels = 2 * len(b.blocks) if backend == "triton" else 0  # a's and b's forwards, not b's recomputation
+    assert kernel_calls == {"selection": on_kernels, "selected": on_kernels}
     assert len(stats_calls) == 2 * len(b.blocks)  # a's and b's forwards, not b's recomputation
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa.grad, pb.grad), name
@@ -236,6 +252,23 @@ def test_recomputed_attention_gives_the_same_gradients_and_statistics(backend, m
         for field in ("gate_mean", "gate_max", "distinct_blocks", "reads"):
             assert torch.equal(getattr(sa, field), getattr(sb, field)), field
         assert torch.equal(sb.gate_mean, kept)
+
+
+def test_recomputed_attention_backward_twice_with_retain_graph():
+    """The recomputation runs once per backward; a second backward through a retained graph gets the same
+    gradients again (the forward's kept selection is handed back twice), on the kernels."""
+    _, m = _model()
+    m.train()
+    for block in m.blocks:
+        block.attn.inner.backend = block.attn.inner.range_backend = "triton"
+    m.activation_checkpointing = "attention"
+    x = _tokens()
+    loss = lm_loss(m(x[:, :-1]), x[:, 1:])
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in m.parameters()]
+    loss.backward()
+    for g, p in zip(once, m.parameters()):
+        assert torch.equal(p.grad, 2 * g)
 
 
 def test_recomputed_attention_leaves_evaluation_unchanged():

@@ -38,6 +38,7 @@ from reference.config import NSAConfig
 from .. import masks
 from ..dispatch import KERNEL_DTYPES, MAX_KERNEL_GROUP, MAX_KERNEL_HEAD_DIM
 from ..numerics import LN2, LOG2E
+from ..recompute import KeptSelection
 from .common import (INDEX_DTYPES, Tiling, dot_settings, forward_head_tile, forward_tiling, head_dim_tiles,
                      heads_dot, interpreting, launch_tiling, padded, selected_block_keys)
 from .range_attention import range_attention_forward
@@ -209,20 +210,14 @@ class SelectedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
-                doc_start: Tensor | None, full_lo: Tensor | None, full_hi: Tensor | None) -> Tensor:
-        P = 0 if full_lo is None else full_lo.shape[0]
-        B, TQ, Hq, _ = q.shape
-        o = torch.empty((B, TQ, Hq, v.shape[-1]), device=q.device, dtype=q.dtype)
-        stats = torch.empty((B, TQ, Hq, 2), device=q.device, dtype=torch.float32)
-        lse2 = None
-        if P:
-            _, lse2 = range_attention_forward(q[:, :P], k, v, full_lo, full_hi, scale, out=o[:, :P])
-            has_key = torch.isfinite(lse2)
-            stats[:, :P, :, 0] = torch.where(has_key, lse2, 0.0)  # an empty range: m = 0, 1/l = 0 (P = 0)
-            stats[:, :P, :, 1] = has_key.to(torch.float32)
-        if P < TQ:
-            selected_attention_forward(q[:, P:], k, v, indices[:, P:], sel_block, scale, doc_start=doc_start,
-                                       out=(o[:, P:], stats[:, P:]))
+                doc_start: Tensor | None, full_lo: Tensor | None, full_hi: Tensor | None,
+                kept: KeptSelection | None = None) -> Tensor:
+        if kept is not None and kept.replay:  # a recomputation: the forward's own results (optimized.recompute)
+            o, stats, lse2 = kept.o, kept.stats, kept.lse2
+        else:
+            o, stats, lse2 = _forward(q, k, v, indices, sel_block, scale, doc_start, full_lo, full_hi)
+            if kept is not None:  # detached: the tape keeps the values, not this call's graph
+                kept.o, kept.stats, kept.lse2 = o.detach(), stats, lse2
         ctx.save_for_backward(q, k, v, indices, o, stats, doc_start, full_lo, full_hi, lse2)
         ctx.sel_block, ctx.scale = sel_block, scale
         return o
@@ -233,12 +228,33 @@ class SelectedAttentionFunction(torch.autograd.Function):
         full_rows = None if full_lo is None else (full_lo, full_hi, lse2)
         dq, dk, dv = selected_attention_backward(q, k, v, indices, o, stats, do, ctx.sel_block, ctx.scale,
                                                  doc_start=doc_start, full_rows=full_rows)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int, scale: float,
+             doc_start: Tensor | None, full_lo: Tensor | None,
+             full_hi: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """SelectedAttentionFunction's forward kernels: o, stats and the full rows' lse2 (None without full rows)."""
+    P = 0 if full_lo is None else full_lo.shape[0]
+    B, TQ, Hq, _ = q.shape
+    o = torch.empty((B, TQ, Hq, v.shape[-1]), device=q.device, dtype=q.dtype)
+    stats = torch.empty((B, TQ, Hq, 2), device=q.device, dtype=torch.float32)
+    lse2 = None
+    if P:
+        _, lse2 = range_attention_forward(q[:, :P], k, v, full_lo, full_hi, scale, out=o[:, :P])
+        has_key = torch.isfinite(lse2)
+        stats[:, :P, :, 0] = torch.where(has_key, lse2, 0.0)  # an empty range: m = 0, 1/l = 0 (P = 0)
+        stats[:, :P, :, 1] = has_key.to(torch.float32)
+    if P < TQ:
+        selected_attention_forward(q[:, P:], k, v, indices[:, P:], sel_block, scale, doc_start=doc_start,
+                                   out=(o[:, P:], stats[:, P:]))
+    return o, stats, lse2
 
 
 def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sel_block: int,
                               scale: float | None = None, *, doc_start: Tensor | None = None,
-                              full_rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                              full_rows: tuple[Tensor, Tensor] | None = None,
+                              kept: KeptSelection | None = None) -> Tensor:
     """Eq. 12 with the Triton kernels: o [B, TQ, Hq, dv].
 
     q [B, TQ, Hq, dk]: the queries at the LAST TQ positions of the TK keys (row t is position TK - TQ + t;
@@ -260,6 +276,9 @@ def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, 
     are every block up to the row's own, so their keys are the run [lo[t], hi[t]]; the range kernels attend to it
     instead of gathering it block by block (same result up to rounding). The caller vouches for those rows'
     indices (nsa_forward passes it for the indices its selection kernels computed); not with doc_start.
+
+    kept: this call's entry of a recomputation's tape (optimized.recompute): the forward keeps o and the softmax
+    statistics in it; the recomputation takes them back instead of running the kernels (its backward is the same).
     """
     _validate(q, k, v, indices, sel_block)
     if doc_start is not None:
@@ -268,7 +287,8 @@ def triton_selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return SelectedAttentionFunction.apply(q, k, v, indices, sel_block, float(scale), doc_start, full_lo, full_hi)
+    return SelectedAttentionFunction.apply(q, k, v, indices, sel_block, float(scale), doc_start, full_lo, full_hi,
+                                           kept)
 
 
 def full_selection_ranges(first_position: int, n_rows: int, cfg: NSAConfig,
