@@ -257,12 +257,13 @@ def test_recomputed_attention_gives_the_same_gradients_and_statistics(backend, m
 def test_recomputed_attention_backward_twice_with_retain_graph():
     """The recomputation runs once per backward; a second backward through a retained graph gets the same
     gradients again (the forward's kept selection is handed back twice), on the kernels."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in Triton's interpreter
     _, m = _model()
-    m.train()
+    m.train().to(device)
     for block in m.blocks:
         block.attn.inner.backend = block.attn.inner.range_backend = "triton"
     m.activation_checkpointing = "attention"
-    x = _tokens()
+    x = _tokens().to(device)
     loss = lm_loss(m(x[:, :-1]), x[:, 1:])
     loss.backward(retain_graph=True)
     once = [p.grad.clone() for p in m.parameters()]
