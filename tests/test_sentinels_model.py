@@ -159,11 +159,9 @@ def test_optimized_and_reference_models_agree():
         assert torch.allclose(opt(x), ref(x), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton"], ids=["cpu-default", "kernels"])
-def test_activation_checkpointing_gives_the_same_gradients(backend):
-    """Also on the kernels (Triton's interpreter on a CPU host, compiled on a GPU host), where each layer's output
-    projection recomputes its input in backward (optimized.NSAAttention.project_output) inside the checkpointed
-    block."""
+def _twin_models(backend: str):
+    """Two training models with the same weights on backend (the kernels: Triton's interpreter on a CPU host,
+    compiled on a GPU host) and the tokens to train them on."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     _, a = _model()
     _, b = _model()
@@ -172,8 +170,15 @@ def test_activation_checkpointing_gives_the_same_gradients(backend):
         m.train().to(device)
         for block in m.blocks:
             block.attn.inner.backend = block.attn.inner.range_backend = backend
+    return a, b, _tokens().to(device)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"], ids=["cpu-default", "kernels"])
+def test_activation_checkpointing_gives_the_same_gradients(backend):
+    """Also on the kernels, where each layer's output projection recomputes its input in backward
+    (optimized.NSAAttention.project_output) inside the checkpointed block."""
+    a, b, x = _twin_models(backend)
     b.activation_checkpointing = True
-    x = _tokens().to(device)
     for m in (a, b):
         lm_loss(m(x[:, :-1]), x[:, 1:]).backward()
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
@@ -203,16 +208,8 @@ def test_recomputed_attention_gives_the_same_gradients_and_statistics(backend, m
     import optimized.kernels.selection as selection_kernels
     import sentinels.model as model_module
 
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    _, a = _model()
-    _, b = _model()
-    b.load_state_dict(a.state_dict())
-    for m in (a, b):
-        m.train().to(device)
-        for block in m.blocks:
-            block.attn.inner.backend = block.attn.inner.range_backend = backend
+    a, b, x = _twin_models(backend)
     b.activation_checkpointing = "attention"
-    x = _tokens().to(device)
     stats_calls = []
     layer_stats = model_module._layer_stats
     monkeypatch.setattr(model_module, "_layer_stats", lambda *a, **k: stats_calls.append(1) or layer_stats(*a, **k))
