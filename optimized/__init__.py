@@ -24,7 +24,8 @@ tests/test_prefill_path.py traces a call in Triton's interpreter and checks this
 backward under a ForwardTape (recompute.py) takes its selection and selected output back from the forward instead.
 The backward pass adds kernels/range_attention_bwd.py, kernels/selected_attention_bwd.py and
 kernels/selected_attention_index.py. NSAAttention (module.py) makes q, k and v and the gates before the call, RoPE
-with kernels/rope.py and the gate MLP with kernels/gate_mlp.py on the kernel path. The torch path runs forward.py, dispatch.py, documents.py, masks.py, compression.py, then compressed.py, scoring.py,
+with kernels/rope.py and the gate MLP with kernels/gate_mlp.py on the kernel path. The torch path runs forward.py,
+dispatch.py, documents.py, masks.py, compression.py, then compressed.py, scoring.py,
 selected.py and window.py over masked_attention.py (and numerics.py).
 """
 
