@@ -218,9 +218,10 @@ class TrainConfig:
     # through torch.distributed.checkpoint.
     parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
-    # What backward recomputes instead of keeping: false keeps every activation; attention keeps only each block's
-    # input to its attention sublayer and recomputes the sublayer (norm, q/k/v and gate projections, NSA, output
-    # projection) in backward, the MLP keeping its activations as usual; true recomputes whole blocks.
+    # What backward recomputes instead of keeping: false keeps every activation; attention keeps each block's input
+    # to its attention sublayer (and, on the kernel path, NSA's selection and selected-branch output) and recomputes
+    # the rest of the sublayer (norm, q/k/v and gate projections, NSA, output projection) in backward, the MLP keeping
+    # its activations as usual; true recomputes whole blocks.
     activation_checkpointing: Literal[False, True, "attention"] = False
     # Record each micro-step's forward and backward once as CUDA graphs and replay them (sentinels/graphs.py): one
     # launch instead of one per kernel, so the step time no longer depends on the host queueing many short NSA
