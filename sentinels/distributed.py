@@ -106,6 +106,29 @@ def wrap_model(model: nn.Module, *, parallel: str, device: torch.device, info: D
     return model
 
 
+def clear_dtensor_caches() -> None:
+    """Empty torch's caches that keep DTensor device meshes alive, and with them the meshes' process groups: the
+    sharding propagation caches (C++ and Python), the redistribution plans and the mesh topologies. A sharded model
+    whose references are dropped still leaves its group running (its gloo or NCCL threads) until these let go.
+    Each cache is looked up by name, so a torch that lacks one skips it."""
+    import importlib
+
+    for module, attribute, method in (("torch.distributed.tensor.debug", "_clear_sharding_prop_cache", None),
+                                      ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache",
+                                       None),
+                                      ("torch.distributed.tensor._redistribute", "_gen_transform_infos",
+                                       "cache_clear"),
+                                      ("torch.distributed.tensor._collective_utils", "MeshTopoInfo",
+                                       "build_from_mesh.cache_clear")):
+        try:
+            target = getattr(importlib.import_module(module), attribute)
+            for name in (method.split(".") if method else []):
+                target = getattr(target, name)
+        except (ImportError, AttributeError):
+            continue
+        target()
+
+
 def gradient_sync(net: nn.Module, sync: bool):
     """DDP: skip the all-reduce (no_sync) on all but the last micro-batch of a step. FSDP2 reduce-scatters after
     every micro-batch (its gradients stay sharded), one process has nothing to sync."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
+import gc
 import io
 import json
 import logging
@@ -59,9 +60,9 @@ from .data.pipeline import BatchSource
 from .data.sources import ShardSpec
 from .data.tokenizers import get_tokenizer
 from .graphs import GraphedLoss
-from .distributed import (DistInfo, clip_grad_norm, diverged_parameters, gather_objects, gradient_sync,  # noqa: F401
-                          init_distributed, load_sharded_state, on_every_rank, require_fsdp, save_sharded_tensors,
-                          sharded_state, wrap_model)
+from .distributed import (DistInfo, clear_dtensor_caches, clip_grad_norm, diverged_parameters,  # noqa: F401
+                          gather_objects, gradient_sync, init_distributed, load_sharded_state, on_every_rank,
+                          require_fsdp, save_sharded_tensors, sharded_state, wrap_model)
 from .errors import InputError, ReportedElsewhere
 from .model import NSALanguageModel, build_model, count_parameters
 from .monitors import Event, GateCollapseMonitor, HeartbeatWatchdog, LossFloorMonitor, Watchdog
@@ -876,12 +877,22 @@ class Trainer:
         stopped together (a refusal the ranks agreed on), the ranks first wait for each other, so that no rank exits
         while another still reports or still talks to the process group's store on rank 0 (a rank whose peer left
         first can abort): torchrun stops the other ranks of a group as soon as one exits with a non-zero code, and a
-        halted run exits with 3."""
+        halted run exits with 3.
+
+        Destroying the group frees it (and stops its threads, which interpreter teardown could otherwise meet
+        while a peer exits, and abort) only once nothing else holds it: DDP's wrapper is dropped, and a sharded
+        model's parameters and AdamW state (DTensors on a mesh that holds the group) are released, so after close()
+        an FSDP run under torchrun has no model, optimizer or scheduler left (none could run without its group)."""
         if self.dist.initialized_here and dist.is_initialized():
             if getattr(self, "_ended_normally", False) or getattr(self, "_stopped_together", False):
                 dist.barrier()
             if hasattr(self, "net"):  # the DDP wrapper holds the group: drop it, so that destroying the group frees it
                 self.net = self.model
+            if getattr(self, "sharded", False):
+                for name in ("scheduler", "optimizer", "net", "model"):
+                    setattr(self, name, None)
+                clear_dtensor_caches()  # torch's DTensor caches hold the mesh too
+                gc.collect()  # modules, their FSDP states and hooks refer to each other
             dist.destroy_process_group()
 
 

@@ -131,6 +131,17 @@ def main() -> None:
     sys.exit(code)
 
 
+def group_threads(folder: Path) -> dict[int, list[str]]:
+    """Each rank's threads of the process group (gloo, the TCP store, NCCL) still running when its command had
+    returned (written by the rank itself: distributed_ranks.py --threads-after). A group that the trainer's close
+    did not free is torn down with the interpreter, where a rank can abort (SIGABRT) while its peer exits."""
+    found = {}
+    for rank in range(2):
+        names = json.loads((folder / f"rank{rank}.json").read_text())
+        found[rank] = [n for n in names if any(k in n for k in ("gloo", "tcpstore", "nccl"))]
+    return found
+
+
 # ------------------------------------------------------------------------------------------ the launcher
 def free_port() -> int:
     with socket.socket() as s:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_ranks import Reference, launch, one_process_reference
+from distributed_ranks import Reference, group_threads, launch, one_process_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
@@ -56,17 +56,6 @@ def _run(tmp: Path, name: str, faults: list[str] = (), *, resume: bool = False, 
                  faults=[*faults, "--dump", str(dumps), "--log-writes", str(tmp / f"{name}.writes"),
                          "--threads-after", str(threads)])
     return out, dumps, run.wait(timeout)
-
-
-def group_threads(folder: Path) -> dict[int, list[str]]:
-    """Each rank's threads of the process group (gloo, the TCP store, NCCL) still running when its command had
-    returned (written by the rank itself: distributed_ranks.py --threads-after). A group that the trainer's close
-    did not free is torn down with the interpreter, where a rank can abort (SIGABRT) while its peer exits."""
-    found = {}
-    for rank in range(2):
-        names = json.loads((folder / f"rank{rank}.json").read_text())
-        found[rank] = [n for n in names if any(k in n for k in ("gloo", "tcpstore", "nccl"))]
-    return found
 
 
 def _dumps(path: Path) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_ranks import Reference, launch, one_process_reference
+from distributed_ranks import Reference, group_threads, launch, one_process_reference
 from sentinels.config import load_config
 from sentinels.trainer import Trainer, TrainerError
 
@@ -44,8 +44,11 @@ def _run(tmp: Path, name: str, faults: list[str] = (), *, resume: bool = False):
     out, dumps = tmp / name, tmp / f"{name}.dumps"
     dumps.mkdir(parents=True, exist_ok=True)
     command = _train_args(out) + (["--resume"] if resume else [])
+    threads = tmp / f"{name}.threads"
+    threads.mkdir(exist_ok=True)
     results = launch(tmp / f"{name}.logs" / ("resume" if resume else "first"), command,
-                     faults=[*faults, "--dump", str(dumps), "--log-writes", str(tmp / f"{name}.writes")]).wait(120)
+                     faults=[*faults, "--dump", str(dumps), "--log-writes", str(tmp / f"{name}.writes"),
+                             "--threads-after", str(threads)]).wait(120)
     dumps = [torch.load(dumps / f"rank{r}.pt", weights_only=True) for r in range(2)] \
         if all((dumps / f"rank{r}.pt").exists() for r in range(2)) else None
     return out, dumps, results
@@ -72,6 +75,14 @@ def fsdp_runs(tmp_path_factory):
     shutil.copytree(out, snapshot)
     return {"tmp": tmp, "full_out": full_out, "full": full_dumps, "out": out, "halted": halted_dumps,
             "snapshot": snapshot}
+
+
+def test_every_rank_has_freed_its_process_group_when_a_run_ends(fsdp_runs):
+    """A completed and a halted run: each rank's gloo threads are gone when its command returns (the trainer's close
+    released the sharded model and torch's DTensor caches that hold its mesh), so none is torn down with the
+    interpreter, where a rank can abort while its peer exits."""
+    for name in ("full", "run"):
+        assert group_threads(fsdp_runs["tmp"] / f"{name}.threads") == {0: [], 1: []}, name
 
 
 def _max_gap(params: dict, other: dict) -> float:
