@@ -244,8 +244,8 @@ class Sweep:
 
     def __init__(self, geometries: tuple[str, ...], models: tuple[str, ...], seq_lens: tuple[int, ...],
                  tokens_per_step: int, micro_tokens: int, warmup: int, steps: int, budget_s: float,
-                 device: torch.device, execution: Execution | dict[str, Execution] = Execution(), log=print):
-        """execution: how both models run, or each model's (a model it does not name runs plain eager steps)."""
+                 device: torch.device, executions: dict[str, Execution], log=print):
+        """executions: how each model runs (a model it does not name runs plain eager steps)."""
         for name in geometries:
             geometry(name)
         bad = [m for m in models if m not in MODELS]
@@ -256,8 +256,7 @@ class Sweep:
         self.plans = [batch_plan(T, tokens_per_step, micro_tokens) for T in seq_lens]
         self.geometries, self.models = geometries, models
         self.warmup, self.steps, self.budget_s, self.device = warmup, steps, budget_s, device
-        self.executions = {m: execution if isinstance(execution, Execution) else execution.get(m, Execution())
-                           for m in models}
+        self.executions = {m: executions.get(m, Execution()) for m in models}
         self.log = log
         self.started = time.perf_counter()
         self._last: dict[tuple[str, str], tuple[int, float]] = {}  # (geometry, model) -> (T, seconds per step)

@@ -65,9 +65,6 @@ class Execution:
         return [name for on, name in ((self.activation_checkpointing, recompute.get(self.activation_checkpointing)),
                                       (self.cuda_graphs, "CUDA graphs")) if on]
 
-    def label(self) -> str:
-        return ", ".join(self.parts())
-
 
 @dataclass(frozen=True)
 class Geometry:
