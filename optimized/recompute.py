@@ -10,9 +10,9 @@ window branches, Eq. 5). The values handed back are the forward's own, so the re
 forward. The torch path and teacher-forced indices keep nothing.
 
     tape = ForwardTape()
-    with tape.recording():   # the forward: each NSA call keeps a KeptSelection
+    with tape.run() as replay:   # the forward (replay False): each NSA call keeps a KeptSelection
         ...
-    with tape.replaying():   # the recomputation: each NSA call takes its KeptSelection back
+    with tape.run() as replay:   # the recomputation (replay True): each NSA call takes its KeptSelection back
         ...
 """
 
@@ -40,31 +40,24 @@ class KeptSelection:
 
 
 class ForwardTape:
-    """The KeptSelection of each NSA call of one forward, in call order. Every replaying() hands them back from the
-    first (a backward that runs the recomputation twice, with retain_graph, takes them twice); they live as long as
-    the tape, which a checkpointed function's closure holds until autograd frees its graph."""
+    """The KeptSelection of each NSA call of one forward, in call order. The first run() records them; every later
+    run() (the recomputation; twice for a backward with retain_graph) hands them back from the first. They live as
+    long as the tape, which a checkpointed function's closure holds until autograd frees its graph."""
 
     def __init__(self) -> None:
         self._kept: list[KeptSelection] = []
+        self._recorded = False
         self._replaying = False
         self._next = 0
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        with self._active(replaying=False):
-            yield
-
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
-        with self._active(replaying=True):
-            yield
-
-    @contextlib.contextmanager
-    def _active(self, replaying: bool) -> Iterator[None]:
-        self._replaying, self._next = replaying, 0
+    def run(self) -> Iterator[bool]:
+        """The tape active for the NSA calls inside; yields whether they replay (False the first time)."""
+        self._replaying, self._next = self._recorded, 0
+        self._recorded = True
         token = FORWARD_TAPE.set(self)
         try:
-            yield
+            yield self._replaying
         finally:
             FORWARD_TAPE.reset(token)
 

@@ -306,13 +306,10 @@ class DecoderBlock(nn.Module):
         a CUDA graph recording the step would not allow) and its kernels are deterministic. The layer statistics
         are the forward's; the recomputation does not compute them again."""
         tape = ForwardTape()
-        calls = 0
 
         def sublayer(x: Tensor) -> Tensor:
-            nonlocal calls
-            calls += 1
-            with tape.recording() if calls == 1 else tape.replaying():
-                return self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, keep_stats=calls == 1)
+            with tape.run() as replay:
+                return self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens, keep_stats=not replay)
 
         return checkpoint(sublayer, x, use_reentrant=False, preserve_rng_state=False)
 

@@ -12,14 +12,15 @@ from optimized.recompute import FORWARD_TAPE, ForwardTape
 def test_replays_hand_back_the_recorded_entries_in_call_order():
     tape = ForwardTape()
     assert FORWARD_TAPE.get() is None
-    with tape.recording():
-        assert FORWARD_TAPE.get() is tape
+    with tape.run() as replay:
+        assert not replay and FORWARD_TAPE.get() is tape
         first, second = tape.next_call(), tape.next_call()
         assert not first.replay and first is not second
         first.indices, second.indices = torch.zeros(1), torch.ones(1)
     assert FORWARD_TAPE.get() is None
     for _ in range(2):  # a backward with retain_graph runs the recomputation twice
-        with tape.replaying():
+        with tape.run() as replay:
+            assert replay
             a, b = tape.next_call(), tape.next_call()
             assert a is first and b is second and a.replay and b.replay
             with pytest.raises(RuntimeError, match="more NSA calls than the 2 of the forward"):
@@ -28,7 +29,7 @@ def test_replays_hand_back_the_recorded_entries_in_call_order():
 
 def test_tapes_nest_and_restore_the_outer_one():
     outer, inner = ForwardTape(), ForwardTape()
-    with outer.recording():
-        with inner.recording():
+    with outer.run():
+        with inner.run():
             assert FORWARD_TAPE.get() is inner
         assert FORWARD_TAPE.get() is outer
