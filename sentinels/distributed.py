@@ -113,16 +113,13 @@ def clear_dtensor_caches() -> None:
     Each cache is looked up by name, so a torch that lacks one skips it."""
     import importlib
 
-    for module, attribute, method in (("torch.distributed.tensor.debug", "_clear_sharding_prop_cache", None),
-                                      ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache",
-                                       None),
-                                      ("torch.distributed.tensor._redistribute", "_gen_transform_infos",
-                                       "cache_clear"),
-                                      ("torch.distributed.tensor._collective_utils", "MeshTopoInfo",
-                                       "build_from_mesh.cache_clear")):
+    for module, clear in (("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+                          ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+                          ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+                          ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear")):
         try:
-            target = getattr(importlib.import_module(module), attribute)
-            for name in (method.split(".") if method else []):
+            target = importlib.import_module(module)
+            for name in clear.split("."):
                 target = getattr(target, name)
         except (ImportError, AttributeError):
             continue
