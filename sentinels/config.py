@@ -44,6 +44,11 @@ PARALLELS = ("ddp", "fsdp")
 ACTIVATION_CHECKPOINTING = (False, True, "attention")
 
 
+def _one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """value equals one of allowed and has its type (1 is not true, true is not 1)."""
+    return any(value == a and type(value) is type(a) for a in allowed)
+
+
 def _require(cond: bool, key: str, rule: str, value: Any) -> None:
     if not cond:
         raise ConfigError(f"{key}: {rule} (got {value!r})")
@@ -247,8 +252,7 @@ class TrainConfig:
         _require(self.precision in PRECISIONS, f"{key}.precision", f"must be one of {PRECISIONS}", self.precision)
         _require(self.device in DEVICES, f"{key}.device", f"must be one of {DEVICES}", self.device)
         _require(self.parallel in PARALLELS, f"{key}.parallel", f"must be one of {PARALLELS}", self.parallel)
-        _require(any(self.activation_checkpointing == a and type(self.activation_checkpointing) is type(a)
-                     for a in ACTIVATION_CHECKPOINTING), f"{key}.activation_checkpointing",
+        _require(_one_of(self.activation_checkpointing, ACTIVATION_CHECKPOINTING), f"{key}.activation_checkpointing",
                  "must be one of [false, true, attention]", self.activation_checkpointing)
         _require(self.save_every >= 0, f"{key}.save_every", "must be >= 0", self.save_every)
         _require(bool(self.out_dir), f"{key}.out_dir", "must be a non-empty path", self.out_dir)
@@ -530,7 +534,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return _convert(inner[0], value, key)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if not any(value == a and type(value) is type(a) for a in allowed):  # 1 is not true
+        if not _one_of(value, allowed):
             raise ConfigError(f"{key}: must be one of [{', '.join(_yaml(a) for a in allowed)}], got {_yaml(value)}")
         return value
     if origin is list:
