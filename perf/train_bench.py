@@ -8,10 +8,13 @@ whole loop iteration (data, forward, backward, clipping, optimizer, statistics, 
 median step (and mean, min, quartiles) and tokens/s = tokens per step / median step. Peak memory is
 torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up: parameters, gradients, optimizer
 state and activations); with --cuda-graphs torch.cuda.max_memory_reserved instead, because the graphs hold their
-activations and workspaces in private memory pools that the allocated count leaves out once recorded. Every
-sequence length runs the same number of tokens per optimizer step (batch_plan).
+activations and workspaces in private memory pools that the allocated count leaves out once recorded. Before the
+last warm-up step the allocator's cache is emptied (StepClock), so what the case before left cached, and the
+blocks of the eager runs that precede a graph's recording, are not counted: the reserved peak is the graphs'
+pools plus what the steps themselves allocate, whatever ran before in the process. Every sequence length runs the
+same number of tokens per optimizer step (batch_plan).
 
-On CUDA the last warm-up step runs under torch.profiler to record which attention kernels ran (optimized's Triton
+On CUDA the first warm-up step runs under torch.profiler to record which attention kernels ran (optimized's Triton
 kernels or the torch path for NSA, the SDPA kernel for dense), next to the module's backend switches.
 
 Budget: a case is skipped (with its estimate) when its predicted time (the same model's previous sequence length,
@@ -87,7 +90,9 @@ class OverBudget(Exception):
 class StepClock:
     """The trainer's step hook: a mark at the start of every step (CUDA event, or perf_counter on CPU); after the
     warm-up it checks the budget and resets the peak-memory statistics; on CUDA the first (warm-up) step runs under
-    torch.profiler, which records the kernels it launched."""
+    torch.profiler, which records the kernels it launched, and the allocator's cache is emptied before the last
+    warm-up step (release_step), which allocates again what a step needs, so the timed steps' reserved peak does not
+    count blocks cached before them."""
 
     def __init__(self, device: torch.device, warmup: int, steps: int, deadline: float, profile_kernels: bool):
         self.device, self.warmup, self.steps, self.deadline = device, warmup, steps, deadline
@@ -105,9 +110,21 @@ class StepClock:
         else:
             self.marks.append(time.perf_counter())
 
+    @property
+    def release_step(self) -> int | None:
+        """The step before which the cache is emptied: the last warm-up step, but never step 0, which records the
+        CUDA graphs (and whose eager runs before the recording fill the cache); None without a warm-up."""
+        if not self.is_cuda or self.warmup < 1:
+            return None
+        return max(1, self.warmup - 1)
+
     def __call__(self, trainer, step: int) -> None:
         if self.profiler is not None:  # the profiled first step ended: its processing stays out of the timed steps
             self._finish_profile()
+        if step == self.release_step:  # before the mark, so the release itself is never timed
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         self._mark()
         if step == self.warmup:
             self._check_budget()
@@ -177,14 +194,26 @@ def describe_attention(model: torch.nn.Module, kernels: list[str] | None) -> str
     return text
 
 
+def release_earlier_cases(device: torch.device) -> None:
+    """Return to the device what earlier cases of the process left behind, so a case's peak does not depend on the
+    cases before it: their objects (collected), cuBLAS's workspaces (one per stream cuBLAS ran on, kept for the
+    process: every graph recording's streams add theirs) and the allocator's unused blocks. Only between cases: a
+    recorded graph holds its streams' workspace addresses, so the workspaces are never dropped while one lives."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # not public; a torch without it skips
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
+
+
 def run_case(geom_name: str, model: str, plan: BatchPlan, *, warmup: int, steps: int, device: torch.device,
              deadline: float, execution: Execution = Execution(), log=print) -> TrainRow:
     row = TrainRow(geom_name, model, plan.seq_len, plan.micro_batch, plan.grad_accum, plan.tokens, SKIPPED,
                    execution.activation_checkpointing, execution.cuda_graphs)
     clock = StepClock(device, warmup, steps, deadline, profile_kernels=True)
     if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_earlier_cases(device)
     try:
         with trainer_for(geometry(geom_name), model, plan, steps=warmup + steps, device=device, step_hook=clock,
                          execution=execution) as trainer:
