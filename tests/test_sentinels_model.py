@@ -12,7 +12,7 @@ from torch import Tensor
 from reference.contract import BRANCHES
 from sentinels.config import load_config
 from sentinels.data.pipeline import locals_only_reach
-from sentinels.model import _document_block_offsets, build_model, lm_head_loss, lm_loss
+from sentinels.model import RMSNorm, _document_block_offsets, build_model, lm_head_loss, lm_loss
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 T = 40
@@ -392,3 +392,26 @@ def test_fused_head_loss_on_cpu_without_the_interpreter_is_one_clear_error(monke
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="fused=True runs Triton kernels, which need CUDA tensors"):
         lm_head_loss(torch.randn(1, 4, 3), torch.randn(5, 3), torch.zeros(1, 4, dtype=torch.long), fused=True)
+
+
+def _rms_norm_by_definition(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_cpu_is_its_definition_bit_for_bit(dtype):
+    """On CPU the model's RMSNorm (torch's rms_norm) computes x * rsqrt(mean(x^2) + eps) * weight in fp32, in that
+    order, and its gradients are those of that expression: checkpoints and the CPU reports do not move."""
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(2, 40, 96, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_(True)
+    grad = torch.randn(2, 40, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = norm(x)
+    want = _rms_norm_by_definition(x, norm.weight, 1e-6)
+    assert got.dtype == dtype and torch.equal(got, want)
+    leaves = [x, norm.weight]
+    for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        assert torch.equal(a, b)
+
