@@ -61,6 +61,10 @@ class ForwardTape:
         finally:
             FORWARD_TAPE.reset(token)
 
+    def kept_tensors(self) -> list[Tensor]:
+        """The tensors the tape holds for the recomputation, in call order (what keeping the selection costs)."""
+        return [t for kept in self._kept for t in (kept.indices, kept.o, kept.stats, kept.lse2) if t is not None]
+
     def next_call(self) -> KeptSelection:
         """The entry of the NSA call starting now: a new one while recording, the forward's while replaying."""
         if not self._replaying:

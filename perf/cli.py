@@ -366,6 +366,9 @@ def add_train_parsers(sub) -> None:
     mem.add_argument("--models", type=_names(MODELS, "--models"), default=MODELS,
                      help="comma list of nsa, dense (default both: nsa,dense)")
     mem.add_argument("--seq-len", type=_positive_int, default=16384, help="tokens of the one sequence (default 16k)")
+    mem.add_argument("--activation-checkpointing", type=parse_checkpointing, default={},
+                     help="what backward recomputes, as for `perf train`: off, blocks, attention, or model=mode "
+                          "pairs, e.g. nsa=attention (default off)")
     mem.add_argument("--out", type=Path, default=DEFAULT_TRAIN_MEMORY_OUT,
                      help="writes train_memory.json and train_memory.md here (default reports/perf/train_memory)")
 

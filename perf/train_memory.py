@@ -10,7 +10,10 @@ Each model runs the trainer's forward (bf16 autocast on CUDA, labels given: the 
    that made it ("made by": its grad_fn, or "input" for a tensor made without one). Saved-tensor hooks change one
    thing: Eq. 5's output, which the output projection's backward recomputes when no other hooks are active
    (optimized.kernels.gated_sum.recomputed_in_backward), is kept instead, so pass 2 lists it while pass 1 does
-   not keep it.
+   not keep it. With --activation-checkpointing a recomputed region saves nothing at the top level but its input
+   (torch.utils.checkpoint's own hooks take the rest); what the kernel path keeps outside autograd for the
+   recomputation, the selection and the selected branch's output (optimized.recompute.ForwardTape), is listed as
+   kept by "ForwardTape", under the layer attention whose forward kept it.
 
 The report lists, per model, the totals of both passes and, for the first layer's attention, every saved storage;
 the other layers save the same. Memory numbers exist on CUDA only; on CPU (the test) the attribution runs alone.
@@ -25,10 +28,11 @@ from typing import Any
 
 import torch
 
-from sentinels.model import count_parameters
+from optimized.recompute import FORWARD_TAPE
+from sentinels.model import NSALayerAttention, count_parameters
 
 from .env import describe
-from .train_model import batch_plan, geometry, trainer_for
+from .train_model import Execution, batch_plan, geometry, trainer_for
 
 MIB = 2 ** 20
 FIRST_LAYER = "blocks.0."
@@ -38,14 +42,22 @@ def _made_by(t: torch.Tensor) -> str:
     return type(t.grad_fn).__name__ if t.grad_fn is not None else "input"
 
 
+TAPE = "ForwardTape"  # "made by" of what a recomputation tape keeps
+
+
 def saved_storages(model: torch.nn.Module, forward) -> list[dict[str, Any]]:
     """Every storage autograd saved during forward() (parameters left out), in saving order: module path, made by,
-    shape and dtype of the first saved view, bytes of the whole storage."""
+    shape and dtype of the first saved view, bytes of the whole storage; then what the recomputation tapes active
+    in layer attentions hold after the forward (made by TAPE)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     running = ["(model)"]
+    tapes: dict[int, tuple[str, Any]] = {}  # id -> (the layer attention it belongs to, the tape)
 
-    def enter(name: str) -> None:
+    def enter(name: str, module: torch.nn.Module) -> None:
         running.append(name)
+        tape = FORWARD_TAPE.get()
+        if tape is not None and isinstance(module, NSALayerAttention):
+            tapes.setdefault(id(tape), (name, tape))
 
     def leave() -> None:  # a forward hook's return value would replace the module's output
         running.pop()
@@ -53,21 +65,27 @@ def saved_storages(model: torch.nn.Module, forward) -> list[dict[str, Any]]:
     handles = []
     for name, module in model.named_modules():
         if name:
-            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: enter(name)))
+            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: enter(name, m)))
             handles.append(module.register_forward_hook(lambda m, a, o: leave()))
     seen: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def record(t: torch.Tensor, module: str, made_by: str) -> None:
         storage = t.untyped_storage()
         key = (t.device.type, storage.data_ptr())
         if storage.data_ptr() not in params and key not in seen:
-            seen[key] = {"module": running[-1], "made_by": _made_by(t), "shape": list(t.shape),
+            seen[key] = {"module": module, "made_by": made_by, "shape": list(t.shape),
                          "dtype": str(t.dtype).replace("torch.", ""), "bytes": storage.nbytes()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        record(t, running[-1], _made_by(t))
         return t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = forward()
+        for module, tape in tapes.values():
+            for t in tape.kept_tensors():
+                record(t, module, TAPE)
         loss.backward()
     finally:
         for handle in handles:
@@ -75,11 +93,13 @@ def saved_storages(model: torch.nn.Module, forward) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def measure(geom_name: str, model_name: str, seq_len: int, device: torch.device) -> dict[str, Any]:
-    """Both passes for one model: one sequence of seq_len tokens."""
+def measure(geom_name: str, model_name: str, seq_len: int, device: torch.device,
+            activation_checkpointing: bool | str = False) -> dict[str, Any]:
+    """Both passes for one model: one sequence of seq_len tokens, with train.activation_checkpointing as given."""
     plan = batch_plan(seq_len, seq_len, seq_len)
     cuda = device.type == "cuda"
-    with trainer_for(geometry(geom_name), model_name, plan, steps=1, device=device) as trainer:
+    execution = Execution(activation_checkpointing=activation_checkpointing)
+    with trainer_for(geometry(geom_name), model_name, plan, steps=1, device=device, execution=execution) as trainer:
         model = trainer.model
         g = torch.Generator(device="cpu").manual_seed(0)
         ids = torch.randint(0, model.embed.num_embeddings, (1, seq_len), generator=g).to(device)
@@ -107,7 +127,8 @@ def measure(geom_name: str, model_name: str, seq_len: int, device: torch.device)
         parameters = count_parameters(model)
     attention = FIRST_LAYER + "attn"
     layer = [s for s in storages if s["module"] == attention or s["module"].startswith(attention + ".")]
-    return {"model": model_name, "parameters": parameters, "kept_after_forward_bytes": kept,
+    return {"model": model_name, "activation_checkpointing": activation_checkpointing, "parameters": parameters,
+            "kept_after_forward_bytes": kept,
             "peak_forward_backward_bytes": peak, "saved_bytes": sum(s["bytes"] for s in storages),
             "first_layer_attention_saved_bytes": sum(s["bytes"] for s in layer), "first_layer_attention": layer,
             "saved_by_module": _by_module(storages)}
@@ -128,6 +149,12 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:,.1f}"
 
 
+def model_label(m: dict[str, Any]) -> str:
+    """The model's name, and what its backward recomputes when it does."""
+    mode = m.get("activation_checkpointing", False)
+    return m["model"] + {False: "", True: " (blocks recomputed)", "attention": " (attention recomputed)"}[mode]
+
+
 def markdown(doc: dict[str, Any]) -> str:
     env = doc["env"]
     out = ["# What a training step keeps for backward: NSA against dense attention", "",
@@ -139,14 +166,15 @@ def markdown(doc: dict[str, Any]) -> str:
                 "| model | parameters | kept after forward MiB | peak forward + backward MiB | saved (hooks) MiB | "
                 "first layer's attention saved MiB |", "|---|---|---|---|---|---|"]
         for m in case["models"]:
-            out.append(f"| {m['model']} | {m['parameters']:,} | {_mib(m['kept_after_forward_bytes'])} | "
+            out.append(f"| {model_label(m)} | {m['parameters']:,} | {_mib(m['kept_after_forward_bytes'])} | "
                        f"{_mib(m['peak_forward_backward_bytes'])} | {_mib(m['saved_bytes'])} | "
                        f"{_mib(m['first_layer_attention_saved_bytes'])} |")
         if "nsa" in models and "dense" in models and models["nsa"]["kept_after_forward_bytes"] is not None:
             diff = models["nsa"]["kept_after_forward_bytes"] - models["dense"]["kept_after_forward_bytes"]
-            out += ["", f"NSA keeps {_mib(diff)} MiB more than dense after the forward."]
+            out += ["", f"{model_label(models['nsa'])} keeps {_mib(diff)} MiB more than "
+                        f"{model_label(models['dense'])} after the forward."]
         for m in case["models"]:
-            out += ["", f"{m['model']}, the first layer's attention, each saved storage:", "",
+            out += ["", f"{model_label(m)}, the first layer's attention, each saved storage:", "",
                     "| module | made by | shape (first saved view) | dtype | MiB |", "|---|---|---|---|---|"]
             out += [f"| {s['module']} | {s['made_by']} | {tuple(s['shape'])} | {s['dtype']} | {_mib(s['bytes'])} |"
                     for s in m["first_layer_attention"]]
@@ -160,9 +188,10 @@ def run_train_memory(args, device: torch.device) -> Path:
     for geom_name in args.geometries:
         case = {"geometry": geom_name, "seq_len": args.seq_len, "models": []}
         for model_name in args.models:
-            case["models"].append(measure(geom_name, model_name, args.seq_len, device))
+            case["models"].append(measure(geom_name, model_name, args.seq_len, device,
+                                          args.activation_checkpointing.get(model_name, False)))
             m = case["models"][-1]
-            print(f"    {geom_name} {model_name:5s} T={args.seq_len}: kept {_mib(m['kept_after_forward_bytes'])} "
+            print(f"    {geom_name} {model_label(m)} T={args.seq_len}: kept {_mib(m['kept_after_forward_bytes'])} "
                   f"MiB, peak {_mib(m['peak_forward_backward_bytes'])} MiB, first layer's attention saved "
                   f"{_mib(m['first_layer_attention_saved_bytes'])} MiB", flush=True)
             if device.type == "cuda":

@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,6 +234,52 @@ def test_train_memory_cpu_tiny(tmp_path, one_thread):
         assert sum(m["saved_by_module"].values()) == m["saved_bytes"]
     assert nsa["first_layer_attention_saved_bytes"] > dense["first_layer_attention_saved_bytes"]
     assert "| nsa | 132,696 |" in (out / "train_memory.md").read_text()
+
+
+def test_train_memory_with_the_nsa_attention_recomputed(tmp_path, one_thread):
+    """--activation-checkpointing nsa=attention: NSA's first-layer attention saves nothing at the top level (its
+    sublayer keeps only its input), so the model saves less than keeping everything; dense is measured as before,
+    and the report says which model recomputed."""
+    from perf.train_memory import measure
+
+    out = tmp_path / "mem"
+    assert main(["train-memory", "--device", "cpu", "--geometries", "tiny", "--seq-len", "64", "--out", str(out),
+                 "--activation-checkpointing", "nsa=attention"]) == 0
+    nsa, dense = json.loads((out / "train_memory.json").read_text())["cases"][0]["models"]
+    assert (nsa["activation_checkpointing"], dense["activation_checkpointing"]) == ("attention", False)
+    assert nsa["first_layer_attention"] == []
+    keeping = measure("tiny", "nsa", 64, torch.device("cpu"))
+    assert keeping["first_layer_attention_saved_bytes"] > 0 and nsa["saved_bytes"] < keeping["saved_bytes"]
+    assert dense["first_layer_attention_saved_bytes"] > 0
+    text = (out / "train_memory.md").read_text()
+    assert "| nsa (attention recomputed) | 132,696 |" in text and "| dense | " in text
+
+
+def test_saved_storages_lists_what_the_recomputation_tape_keeps(one_thread):
+    """On the kernels (Triton's interpreter here) a recomputed layer attention keeps its selection and its selected
+    branch's output outside autograd (optimized.recompute.ForwardTape); the probe lists them under that layer's
+    attention, made by the tape, and nothing of the kind without the recomputation."""
+    from perf.train_memory import TAPE
+    from sentinels.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / TINY.config)
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    for block in model.blocks:
+        block.attn.inner.backend = block.attn.inner.range_backend = "triton"
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    nsa = model.blocks[0].attn.inner.cfg
+
+    def tape_rows(mode):
+        model.activation_checkpointing = mode
+        return [r for r in saved_storages(model, lambda: model(ids, labels=ids)) if r["made_by"] == TAPE]
+
+    assert tape_rows(False) == []
+    rows = tape_rows("attention")
+    assert {r["module"] for r in rows} == {f"blocks.{i}.attn" for i in range(len(model.blocks))}
+    first = [r for r in rows if r["module"] == "blocks.0.attn"]
+    assert [1, 40, nsa.n_kv_heads, nsa.n_sel] in [r["shape"] for r in first]  # Eq. 11's indices
+    assert [1, 40, nsa.n_heads, nsa.head_dim_v] in [r["shape"] for r in first]  # the selected branch's output
 
 
 def test_train_profile_splits_the_step_by_region(tmp_path, one_thread):
