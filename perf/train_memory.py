@@ -171,8 +171,8 @@ def markdown(doc: dict[str, Any]) -> str:
                        f"{_mib(m['first_layer_attention_saved_bytes'])} |")
         if "nsa" in models and "dense" in models and models["nsa"]["kept_after_forward_bytes"] is not None:
             diff = models["nsa"]["kept_after_forward_bytes"] - models["dense"]["kept_after_forward_bytes"]
-            out += ["", f"{model_label(models['nsa'])} keeps {_mib(diff)} MiB more than "
-                        f"{model_label(models['dense'])} after the forward."]
+            out += ["", f"{model_label(models['nsa'])} keeps {_mib(abs(diff))} MiB {'more' if diff >= 0 else 'less'} "
+                        f"than {model_label(models['dense'])} after the forward."]
         for m in case["models"]:
             out += ["", f"{model_label(m)}, the first layer's attention, each saved storage:", "",
                     "| module | made by | shape (first saved view) | dtype | MiB |", "|---|---|---|---|---|"]

@@ -255,6 +255,23 @@ def test_train_memory_with_the_nsa_attention_recomputed(tmp_path, one_thread):
     assert "| nsa (attention recomputed) | 132,696 |" in text and "| dense | " in text
 
 
+def test_train_memory_report_says_which_model_keeps_more():
+    from perf.train_memory import markdown
+
+    def model(name, kept_mib, mode=False):
+        return {"model": name, "activation_checkpointing": mode, "parameters": 1, "kept_after_forward_bytes":
+                kept_mib * 2**20, "peak_forward_backward_bytes": None, "saved_bytes": 0,
+                "first_layer_attention_saved_bytes": 0, "first_layer_attention": [], "saved_by_module": {}}
+
+    def sentence(*models):
+        doc = {"env": {}, "cases": [{"geometry": "tiny", "seq_len": 64, "models": list(models)}]}
+        return [line for line in markdown(doc).splitlines() if "after the forward." in line]
+
+    assert sentence(model("nsa", 5), model("dense", 3)) == ["nsa keeps 2.0 MiB more than dense after the forward."]
+    assert sentence(model("nsa", 1, "attention"), model("dense", 3)) == [
+        "nsa (attention recomputed) keeps 2.0 MiB less than dense after the forward."]
+
+
 def test_saved_storages_lists_what_the_recomputation_tape_keeps(one_thread):
     """On the kernels (Triton's interpreter here) a recomputed layer attention keeps its selection and its selected
     branch's output outside autograd (optimized.recompute.ForwardTape); the probe lists them under that layer's
