@@ -51,13 +51,13 @@ def saved_storages(model: torch.nn.Module, forward) -> list[dict[str, Any]]:
     in layer attentions hold after the forward (made by TAPE)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     running = ["(model)"]
-    tapes: dict[int, tuple[str, Any]] = {}  # id -> (the layer attention it belongs to, the tape)
+    tapes: dict[Any, str] = {}  # each tape -> the layer attention it belongs to
 
     def enter(name: str, module: torch.nn.Module) -> None:
         running.append(name)
         tape = FORWARD_TAPE.get()
         if tape is not None and isinstance(module, NSALayerAttention):
-            tapes.setdefault(id(tape), (name, tape))
+            tapes.setdefault(tape, name)
 
     def leave() -> None:  # a forward hook's return value would replace the module's output
         running.pop()
@@ -83,7 +83,7 @@ def saved_storages(model: torch.nn.Module, forward) -> list[dict[str, Any]]:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = forward()
-        for module, tape in tapes.values():
+        for tape, module in tapes.items():
             for t in tape.kept_tensors():
                 record(t, module, TAPE)
         loss.backward()
@@ -150,9 +150,9 @@ def _mib(n: int | None) -> str:
 
 
 def model_label(m: dict[str, Any]) -> str:
-    """The model's name, and what its backward recomputes when it does."""
-    mode = m.get("activation_checkpointing", False)
-    return m["model"] + {False: "", True: " (blocks recomputed)", "attention": " (attention recomputed)"}[mode]
+    """The model's name, and what its backward recomputes when it does (in perf train's words: Execution.parts)."""
+    parts = Execution(activation_checkpointing=m.get("activation_checkpointing", False)).parts()
+    return m["model"] + (f" ({', '.join(parts)})" if parts else "")
 
 
 def markdown(doc: dict[str, Any]) -> str:
