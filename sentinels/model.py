@@ -75,18 +75,71 @@ def optimized_available() -> bool:
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, returned in x's dtype. torch's rms_norm: on
-    CUDA one fused kernel each way that keeps x and 1/rms for backward (the composite expression ran six launches
-    forward and more backward, and kept an fp32 copy of the normalized x: 50 MB per norm at 16k tokens and d_model
-    768); on CPU it computes what that expression does, bit for bit."""
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, returned in x's dtype. Called with a residual
+    delta as well, it returns (h, norm(h)) for h = x + delta: a pre-norm block's residual add and the norm after it.
 
-    def __init__(self, dim: int, eps: float):
+    On CUDA (fused=None: when Triton imports) both run as one Triton kernel each way (sentinels/
+    residual_norm_kernels.py) that keeps h and 1/rms for backward, and under autocast the normalized h comes out in
+    the autocast dtype, the cast the next matmul would make; the add, the norm, the cast and their backwards were
+    six memory-bound passes. Elsewhere torch's rms_norm after torch's add, which on CPU computes the expression bit
+    for bit."""
+
+    def __init__(self, dim: int, eps: float, fused: bool | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = fused  # None: the kernels on CUDA when Triton imports; True: also in Triton's interpreter
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+    def forward(self, x: Tensor, delta: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if self._on_kernels(x, delta):
+            out_dtype = x.dtype if delta is None else torch.result_type(x, delta)
+            if torch.is_autocast_enabled(x.device.type):
+                out_dtype = torch.get_autocast_dtype(x.device.type)
+            return _AddRMSNorm.apply(x, delta, self.weight, self.eps, out_dtype)
+        h = x if delta is None else x + delta
+        normed = F.rms_norm(h.float(), self.weight.shape, self.weight.float(), self.eps).to(h.dtype)
+        return normed if delta is None else (h, normed)
+
+    def _on_kernels(self, x: Tensor, delta: Tensor | None) -> bool:
+        from optimized.dispatch import interpreting, triton_imports
+
+        if delta is not None and delta.shape != x.shape:  # a broadcast delta: torch's add
+            return False
+        if self.fused is None:
+            return x.is_cuda and triton_imports()
+        if self.fused and not x.is_cuda and not interpreting():
+            raise ValueError(f"RMSNorm: fused=True runs Triton kernels, which need CUDA tensors (or "
+                             f"TRITON_INTERPRET=1 set before Triton is imported); x is on {x.device}")
+        return self.fused
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """RMSNorm.forward on sentinels/residual_norm_kernels.py: y, or (h, y) with a delta."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, out_dtype: torch.dtype):
+        from .residual_norm_kernels import add_rms_norm_forward
+
+        x = x.contiguous()
+        delta = None if delta is None else delta.contiguous()
+        h, y, rstd = add_rms_norm_forward(x, delta, weight.contiguous(), eps, out_dtype)
+        ctx.save_for_backward(x if h is None else h, weight, rstd)
+        ctx.dtypes = (x.dtype, None if delta is None else delta.dtype)
+        ctx.set_materialize_grads(False)
+        return y if h is None else (h, y)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        from .residual_norm_kernels import add_rms_norm_backward
+
+        h, weight, rstd = ctx.saved_tensors
+        x_dtype, delta_dtype = ctx.dtypes
+        dh, dy = (None, grads[0]) if delta_dtype is None else grads
+        if dy is None:  # only h was read later: the norm sends nothing back
+            dy = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        dx, ddelta, dw = add_rms_norm_backward(h, weight, rstd, dy.contiguous(),
+                                               None if dh is None else dh.contiguous(), x_dtype, delta_dtype)
+        return dx, ddelta, dw.to(weight.dtype), None, None
 
 
 class SwiGLU(nn.Module):
@@ -290,14 +343,26 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor | None = None, *, recompute_attention: bool = False) -> Tensor:
-        """recompute_attention: backward keeps x alone for the attention sublayer and recomputes the rest of it
-        (recomputed_attention); the MLP sublayer keeps its activations either way."""
+    def forward(self, x: Tensor, cu_seqlens: Tensor | None = None, *, recompute_attention: bool = False,
+                pending: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The residual stream after the block is x + pending + attention + MLP. Returns (x + pending + attention,
+        the MLP's output): the last add is left to whatever normalizes the stream next (the next block's attn_norm
+        or the final norm), so that each add and the norm after it run as one kernel (RMSNorm with a delta).
+        pending: the previous block's MLP output, not yet added (None: x is the whole stream).
+        recompute_attention: backward keeps the stream alone for the attention sublayer and recomputes the rest of
+        it (recomputed_attention); the MLP sublayer keeps its activations either way."""
         if recompute_attention:
-            x = x + self.recomputed_attention(x, cu_seqlens)
+            if pending is not None:
+                x = x + pending
+            attended = self.recomputed_attention(x, cu_seqlens)
         else:
-            x = x + self.attn(self.attn_norm(x), cu_seqlens=cu_seqlens)
-        return x + self.mlp(self.mlp_norm(x))
+            if pending is None:
+                normed = self.attn_norm(x)
+            else:
+                x, normed = self.attn_norm(x, pending)
+            attended = self.attn(normed, cu_seqlens=cu_seqlens)
+        x, normed = self.mlp_norm(x, attended)
+        return x, self.mlp(normed)
 
     def recomputed_attention(self, x: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         """attn(attn_norm(x)) under torch.utils.checkpoint: of everything the sublayer would keep for backward (the
@@ -356,12 +421,15 @@ class NSALanguageModel(nn.Module):
             check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0])
         x = self.embed(input_ids)
         recompute = self.activation_checkpointing if self.training and torch.is_grad_enabled() else False
+        pending = None  # the last block's MLP output, added to the stream by the next norm (DecoderBlock.forward)
         for block in self.blocks:
-            if recompute is True:
-                x = checkpoint(block, x, cu_seqlens, use_reentrant=False)
+            if recompute is True:  # a checkpointed block keeps its input alone: the stream, the pending add made
+                if pending is not None:
+                    x = x + pending
+                x, pending = checkpoint(block, x, cu_seqlens, use_reentrant=False)
             else:
-                x = block(x, cu_seqlens, recompute_attention=recompute == "attention")
-        x = self.final_norm(x)
+                x, pending = block(x, cu_seqlens, recompute_attention=recompute == "attention", pending=pending)
+        x = self.final_norm(x) if pending is None else self.final_norm(x, pending)[1]
         if labels is not None:
             return lm_head_loss(x, self.lm_head.weight, labels, loss_mask)
         if loss_mask is not None:

@@ -415,3 +415,41 @@ def test_rms_norm_on_cpu_is_its_definition_bit_for_bit(dtype):
     for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
         assert torch.equal(a, b)
 
+
+
+def _pre_norm_logits(model, ids: Tensor) -> Tensor:
+    """The pre-norm decoder written out: each block adds its attention, then its MLP, to the residual stream."""
+    x = model.embed(ids)
+    for block in model.blocks:
+        x = x + block.attn(block.attn_norm(x))
+        x = x + block.mlp(block.mlp_norm(x))
+    return model.lm_head(model.final_norm(x))
+
+
+def test_each_add_left_to_the_next_norm_computes_the_pre_norm_stream_bit_for_bit():
+    """The blocks hand their last add to the next norm (RMSNorm with a delta); on torch's path that is the same
+    add in the same order: the model's logits equal the written-out pre-norm decoder's exactly."""
+    _, model = _model()
+    ids = _tokens()
+    with torch.no_grad():
+        assert torch.equal(model(ids), _pre_norm_logits(model, ids))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True, "attention"])
+def test_the_model_on_the_fused_norm_kernels_trains_as_on_torch(checkpointing):
+    """Every norm on the add + RMSNorm kernels (Triton's interpreter here) gives torch's loss and gradients to fp32
+    rounding, with and without activation checkpointing (whole blocks, or the attention sublayers)."""
+    _, model = _model()
+    model.train()
+    model.activation_checkpointing = checkpointing
+    ids, labels = _tokens(seed=1), _tokens(seed=2)
+    params = list(model.parameters())
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    results = []
+    for fused in (False, True):
+        for norm in norms:
+            norm.fused = fused
+        loss = model(ids, labels=labels)
+        results.append((loss, *torch.autograd.grad(loss, params)))
+    for i, (torch_path, kernels) in enumerate(zip(*results)):
+        torch.testing.assert_close(kernels, torch_path, rtol=1e-4, atol=1e-6, msg=f"output {i}")
