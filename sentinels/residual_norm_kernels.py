@@ -4,7 +4,7 @@ A pre-norm block adds each sublayer's output to the residual stream and normaliz
 h = x + delta, y = h * rsqrt(mean(h^2) + eps) * w. In torch that is three passes forward (the add, the norm, and
 under autocast the cast of the norm's fp32 output for the next matmul) and three backward (the norm's backward,
 autograd's sum of the two gradients reaching h, and the cast of that sum for the bf16 delta). At prod-125m's width
-they are memory-bound passes over 16k x 768 values, 50 of them per micro-step. Here:
+they are memory-bound passes over 16k x 768 values, 25 norms and 24 adds per 16k-token micro-step. Here:
 
 1. `_add_rms_norm_fwd_kernel`, one program per tile of rows: reads x and delta, writes h (x's and delta's promoted
    dtype, rounded as torch's add rounds) and y (in `out_dtype`: the autocast dtype, so the next matmul casts
@@ -12,6 +12,10 @@ they are memory-bound passes over 16k x 768 values, 50 of them per micro-step. H
 2. `_add_rms_norm_bwd_kernel`, one program per run of rows: dh = (gradient reaching h from later) + the norm's
    backward of dy, written in fp32 for x and in delta's dtype for delta, and the program's partial sum of
    dy * h / rms for the weight's gradient (the partials summed by torch in program order: deterministic).
+
+Both are compiled without fused multiply-adds, so every product is rounded as written: in backward the norm's part
+is rounded before the sum, so dh is bitwise what autograd sums when the add runs apart from the norm (a checkpointed
+sublayer's norm without a delta), and the checkpointing modes' gradients stay bitwise those of keeping everything.
 
 Without delta it is the RMSNorm alone (y only; x's gradient from the norm alone). The math is torch's rms_norm's in
 fp32; only the order of the mean's sum differs.
@@ -101,7 +105,7 @@ def add_rms_norm_forward(x: Tensor, delta: Tensor | None, weight: Tensor, eps: f
     if rows:
         _add_rms_norm_fwd_kernel[(triton.cdiv(rows, ROWS),)](
             x, x if delta is None else delta, weight, y if h is None else h, y, rstd, rows, dim, eps,
-            HAS_DELTA=delta is not None, ROWS=ROWS, BLOCK=_block(dim), num_warps=_warps(dim))
+            HAS_DELTA=delta is not None, ROWS=ROWS, BLOCK=_block(dim), num_warps=_warps(dim), enable_fp_fusion=False)
     return h, y, rstd
 
 
@@ -127,7 +131,7 @@ def add_rms_norm_backward(h: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor, d
         _add_rms_norm_bwd_kernel[(programs,)](
             h, weight, rstd, dy, dy if dh is None else dh, dx, dx if ddelta is None else ddelta, parts,
             rows, dim, rows_per_program, HAS_DH=dh is not None, HAS_DDELTA=ddelta is not None and ddelta is not dx,
-            ROWS=ROWS, BLOCK=_block(dim), num_warps=_warps(dim))
+            ROWS=ROWS, BLOCK=_block(dim), num_warps=_warps(dim), enable_fp_fusion=False)
     else:
         parts.zero_()
     return dx, ddelta, parts.sum(0)
