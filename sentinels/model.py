@@ -74,6 +74,19 @@ def optimized_available() -> bool:
     return True
 
 
+def on_kernels(fused: bool | None, x: Tensor, owner: str) -> bool:
+    """Whether a part of the model with a `fused` switch runs its Triton kernels on x: None (the default) on CUDA when
+    Triton imports; True also in Triton's interpreter (tests), and one clear error on a CPU tensor without it."""
+    from optimized.dispatch import interpreting, triton_imports
+
+    if fused is None:
+        return x.is_cuda and triton_imports()
+    if fused and not x.is_cuda and not interpreting():
+        raise ValueError(f"{owner}: fused=True runs Triton kernels, which need CUDA tensors (or TRITON_INTERPRET=1 "
+                         f"set before Triton is imported); the input is on {x.device}")
+    return fused
+
+
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, returned in x's dtype. Called with a residual
     delta as well, it returns (h, norm(h)) for h = x + delta: a pre-norm block's residual add and the norm after it.
@@ -101,16 +114,9 @@ class RMSNorm(nn.Module):
         return normed if delta is None else (h, normed)
 
     def _on_kernels(self, x: Tensor, delta: Tensor | None) -> bool:
-        from optimized.dispatch import interpreting, triton_imports
-
         if delta is not None and delta.shape != x.shape:  # a broadcast delta: torch's add
             return False
-        if self.fused is None:
-            return x.is_cuda and triton_imports()
-        if self.fused and not x.is_cuda and not interpreting():
-            raise ValueError(f"RMSNorm: fused=True runs Triton kernels, which need CUDA tensors (or "
-                             f"TRITON_INTERPRET=1 set before Triton is imported); x is on {x.device}")
-        return self.fused
+        return on_kernels(self.fused, x, "RMSNorm")
 
 
 class _AddRMSNorm(torch.autograd.Function):
@@ -143,16 +149,43 @@ class _AddRMSNorm(torch.autograd.Function):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)).
 
-    def __init__(self, dim: int, hidden: int):
+    On CUDA (fused=None: when Triton imports) gate and up are one matmul over their concatenated weights and the
+    activation one Triton kernel each way (sentinels/swiglu_kernels.py), in fp32 with one rounding; backward keeps
+    the matmul's output alone (torch's ops also keep silu(gate(x))). Elsewhere torch's ops, as written above."""
+
+    def __init__(self, dim: int, hidden: int, fused: bool | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.fused = fused  # None: the kernels on CUDA when Triton imports; True: also in Triton's interpreter
 
     def forward(self, x: Tensor) -> Tensor:
+        if on_kernels(self.fused, x, "SwiGLU"):
+            gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+            return self.down_proj(_SwiGLUActivation.apply(gate_up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _SwiGLUActivation(torch.autograd.Function):
+    """silu(g) * u of gu = [g, u] on sentinels/swiglu_kernels.py."""
+
+    @staticmethod
+    def forward(ctx, gate_up: Tensor) -> Tensor:
+        from .swiglu_kernels import swiglu_forward
+
+        gate_up = gate_up.contiguous()
+        ctx.save_for_backward(gate_up)
+        return swiglu_forward(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        from .swiglu_kernels import swiglu_backward
+
+        (gate_up,) = ctx.saved_tensors
+        return swiglu_backward(gate_up, grad.contiguous())
 
 
 @dataclass
@@ -579,12 +612,5 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tens
     device_type = hidden.device.type
     compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                      else torch.promote_types(hidden.dtype, weight.dtype))
-    from optimized.dispatch import interpreting, triton_imports
-
-    if fused is None:
-        fused = hidden.is_cuda and triton_imports()
-    elif fused and not hidden.is_cuda and not interpreting():
-        raise ValueError(f"lm_head_loss: fused=True runs Triton kernels, which need CUDA tensors (or "
-                         f"TRITON_INTERPRET=1 set before Triton is imported); hidden is on {hidden.device}")
     return _ChunkedHeadCrossEntropy.apply(hidden, weight, flat_labels, weights, total, compute_dtype,
-                                          max(1, chunk_rows), fused)
+                                          max(1, chunk_rows), on_kernels(fused, hidden, "lm_head_loss"))

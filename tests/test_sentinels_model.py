@@ -12,7 +12,7 @@ from torch import Tensor
 from reference.contract import BRANCHES
 from sentinels.config import load_config
 from sentinels.data.pipeline import locals_only_reach
-from sentinels.model import RMSNorm, _document_block_offsets, build_model, lm_head_loss, lm_loss
+from sentinels.model import RMSNorm, SwiGLU, _document_block_offsets, build_model, lm_head_loss, lm_loss
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 T = 40
@@ -436,19 +436,20 @@ def test_each_add_left_to_the_next_norm_computes_the_pre_norm_stream_bit_for_bit
 
 
 @pytest.mark.parametrize("checkpointing", [False, True, "attention"])
-def test_the_model_on_the_fused_norm_kernels_trains_as_on_torch(checkpointing):
-    """Every norm on the add + RMSNorm kernels (Triton's interpreter here) gives torch's loss and gradients to fp32
-    rounding, with and without activation checkpointing (whole blocks, or the attention sublayers)."""
+def test_the_model_on_its_fused_kernels_trains_as_on_torch(checkpointing):
+    """Every norm on the add + RMSNorm kernels and every MLP on its one matmul and SwiGLU kernels (Triton's
+    interpreter here) give torch's loss and gradients to fp32 rounding, with and without activation checkpointing
+    (whole blocks, or the attention sublayers)."""
     _, model = _model()
     model.train()
     model.activation_checkpointing = checkpointing
     ids, labels = _tokens(seed=1), _tokens(seed=2)
     params = list(model.parameters())
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    switched = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLU))]
     results = []
     for fused in (False, True):
-        for norm in norms:
-            norm.fused = fused
+        for module in switched:
+            module.fused = fused
         loss = model(ids, labels=labels)
         results.append((loss, *torch.autograd.grad(loss, params)))
     for i, (torch_path, kernels) in enumerate(zip(*results)):
