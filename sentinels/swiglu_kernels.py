@@ -23,14 +23,14 @@ BLOCK = 1024  # outputs per program
 
 
 @triton.jit
-def _swiglu_fwd_kernel(GU, OUT, n, hidden, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(GU, ACT, n, hidden, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     row = offs // hidden
     g_at = offs + row * hidden  # row * 2 hidden + column
     g = tl.load(GU + g_at, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + g_at + hidden, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(ACT + offs, (g * tl.sigmoid(g) * u).to(ACT.dtype.element_ty), mask=ok)
 
 
 @triton.jit

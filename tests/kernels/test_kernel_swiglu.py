@@ -39,8 +39,8 @@ def _run(mlp: SwiGLU, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]
     return [out.detach(), *torch.autograd.grad(out, leaves, grad.to(out.dtype))]
 
 
-DTYPES = [torch.float32, torch.float16,
-          pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="interpreter: fp32 -> bf16 truncates"))]
+NEEDS_GPU_ROUNDING = pytest.mark.skipif(not CUDA, reason="interpreter: fp32 -> bf16 truncates")
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=NEEDS_GPU_ROUNDING)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
