@@ -122,9 +122,7 @@ class StepClock:
         if self.profiler is not None:  # the profiled first step ended: its processing stays out of the timed steps
             self._finish_profile()
         if step == self.release_step:  # before the mark, so the release itself is never timed
-            gc.collect()
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            release_device_memory(self.device)
         self._mark()
         if step == self.warmup:
             self._check_budget()
@@ -194,15 +192,16 @@ def describe_attention(model: torch.nn.Module, kernels: list[str] | None) -> str
     return text
 
 
-def release_earlier_cases(device: torch.device) -> None:
-    """Return to the device what earlier cases of the process left behind, so a case's peak does not depend on the
-    cases before it: their objects (collected), cuBLAS's workspaces (one per stream cuBLAS ran on, kept for the
-    process: every graph recording's streams add theirs) and the allocator's unused blocks. Only between cases: a
-    recorded graph holds its streams' workspace addresses, so the workspaces are never dropped while one lives."""
+def release_device_memory(device: torch.device, *, cublas_workspaces: bool = False) -> None:
+    """Return to the device what is no longer used: unreachable objects (collected) and the allocator's unused
+    blocks; with cublas_workspaces, cuBLAS's workspaces too (one per stream cuBLAS ran on, kept for the process:
+    every graph recording's streams add theirs). Workspaces only between cases, so that a case's peak does not depend
+    on the cases before it: a recorded graph holds its streams' workspace addresses, so they are never dropped while
+    one lives."""
     gc.collect()
     torch.cuda.synchronize(device)
     clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # not public; a torch without it skips
-    if clear_workspaces is not None:
+    if cublas_workspaces and clear_workspaces is not None:
         clear_workspaces()
     torch.cuda.empty_cache()
 
@@ -213,7 +212,7 @@ def run_case(geom_name: str, model: str, plan: BatchPlan, *, warmup: int, steps:
                    execution.activation_checkpointing, execution.cuda_graphs)
     clock = StepClock(device, warmup, steps, deadline, profile_kernels=True)
     if device.type == "cuda":
-        release_earlier_cases(device)
+        release_device_memory(device, cublas_workspaces=True)  # what earlier cases of the process left
     try:
         with trainer_for(geometry(geom_name), model, plan, steps=warmup + steps, device=device, step_hook=clock,
                          execution=execution) as trainer:
